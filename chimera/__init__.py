@@ -1,0 +1,3 @@
+"""chimera: Chimera bidirectional pipelines on Ray."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Ray driver, actors and cluster configuration for chimera."""
