@@ -1,0 +1,24 @@
+"""Schedules as data: the IR, generators, lowering passes, one validator and one simulator."""
+
+from chimera.schedule.generators import (
+    CHIMERA_MODES,
+    SCHEDULES,
+    ScheduleConfigError,
+    build_schedule,
+    chimera,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+)
+from chimera.schedule.io import from_csv, from_json, to_csv, to_json
+from chimera.schedule.ir import DOWN, UP, Action, Kind, Schedule
+from chimera.schedule.lowering import add_grad_sync, add_optimizer_step, add_p2p, lower
+from chimera.schedule.simulate import Costs, SimResult, simulate
+from chimera.schedule.validate import ScheduleError, format_grid, validate
+
+__all__ = [
+    "CHIMERA_MODES", "DOWN", "SCHEDULES", "UP", "Action", "Costs", "Kind", "Schedule", "ScheduleConfigError",
+    "ScheduleError", "SimResult", "add_grad_sync", "add_optimizer_step", "add_p2p", "build_schedule", "chimera",
+    "format_grid", "from_csv", "from_json", "gpipe", "interleaved_1f1b", "lower", "one_f_one_b", "simulate",
+    "to_csv", "to_json", "validate",
+]

@@ -1,0 +1,243 @@
+"""Schedule generators: compute-only action lists for GPipe, 1F1B, interleaved 1F1B and Chimera.
+
+Every generator returns a :class:`~chimera.schedule.ir.Schedule` whose lists hold only F and B actions;
+:func:`chimera.schedule.lowering.lower` adds communication and gradient synchronisation.
+
+Usage::
+
+    >>> from chimera.schedule import build_schedule
+    >>> s = build_schedule("1f1b", stages=4, microbatches=8)
+    >>> [a.text(False) for a in s.actions[3]][:4]
+    ['3F0', '3B0', '3F1', '3B1']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from fractions import Fraction
+
+from chimera.schedule.ir import DOWN, UP, Action, B, F, Schedule
+
+
+class ScheduleConfigError(ValueError):
+    """A schedule was asked for with parameters it does not support; the message says what is allowed."""
+
+
+def _check_common(stages: int, microbatches: int) -> None:
+    if stages < 1:
+        raise ScheduleConfigError(f"--stages must be >= 1, got {stages}")
+    if microbatches < 1:
+        raise ScheduleConfigError(f"--micro-batches must be >= 1, got {microbatches}")
+
+
+def _single(name: str, stages: int, n: int, rows: list[list[Action]], **options: object) -> Schedule:
+    placement = {(DOWN, s): s for s in range(stages)}
+    return Schedule(stages=stages, microbatches=n, placement=placement, actions=rows, name=name, options=options)
+
+
+def gpipe(stages: int, microbatches: int, reverse_backward: bool = False) -> Schedule:
+    """GPipe: every worker runs all N forwards, then all N backwards (in reverse order if asked)."""
+    _check_common(stages, microbatches)
+    order = range(microbatches - 1, -1, -1) if reverse_backward else range(microbatches)
+    rows = [
+        [F(DOWN, s, m) for m in range(microbatches)] + [B(DOWN, s, m) for m in order] for s in range(stages)
+    ]
+    return _single("gpipe", stages, microbatches, rows, reverse_backward=reverse_backward)
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    """1F1B (PipeDream-flush / DAPPLE): min(D-1-s, N) warm-up forwards, alternate F and B, drain the Bs."""
+    _check_common(stages, microbatches)
+    rows = []
+    for s in range(stages):
+        warm = min(stages - 1 - s, microbatches)
+        row = [F(DOWN, s, m) for m in range(warm)]
+        f, b = warm, 0
+        while f < microbatches:
+            row += [F(DOWN, s, f), B(DOWN, s, b)]
+            f, b = f + 1, b + 1
+        row += [B(DOWN, s, m) for m in range(b, microbatches)]
+        rows.append(row)
+    return _single("1f1b", stages, microbatches, rows)
+
+
+def interleaved_1f1b(stages: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM, as in torch's ``ScheduleInterleaved1F1B``).
+
+    ``stages`` is the number of workers D; each worker holds ``chunks`` = v model chunks, so the pipe has
+    D*v stages and stage ``c*D + w`` lives on worker w. Micro-batches go through chunks in groups of D.
+    Worker w runs ``2*(D-1-w) + (v-1)*D`` warm-up forwards (capped at N*v), then alternates, then drains.
+    """
+    _check_common(stages, microbatches)
+    if chunks < 1:
+        raise ScheduleConfigError(f"--chunks (v, stages per worker) must be >= 1, got {chunks}")
+    if microbatches % stages:
+        raise ScheduleConfigError(
+            f"interleaved 1F1B needs --micro-batches to be a multiple of --stages ({stages}); got {microbatches}"
+        )
+    d, v, n = stages, chunks, microbatches
+    total = n * v
+
+    def fwd(k: int, w: int) -> Action:
+        c = (k // d) % v
+        return F(DOWN, c * d + w, (k // (d * v)) * d + k % d)
+
+    def bwd(k: int, w: int) -> Action:
+        c = v - 1 - (k // d) % v
+        return B(DOWN, c * d + w, (k // (d * v)) * d + k % d)
+
+    rows = []
+    for w in range(d):
+        warm = min(total, 2 * (d - 1 - w) + (v - 1) * d) if v > 1 else min(total, d - 1 - w)
+        row = [fwd(k, w) for k in range(warm)]
+        fk, bk = warm, 0
+        while fk < total:
+            row += [fwd(fk, w), bwd(bk, w)]
+            fk, bk = fk + 1, bk + 1
+        row += [bwd(k, w) for k in range(bk, total)]
+        rows.append(row)
+    placement = {(DOWN, c * d + w): w for c in range(v) for w in range(d)}
+    return Schedule(
+        stages=d * v, microbatches=n, placement=placement, actions=rows, name="interleaved", options={"chunks": v}
+    )
+
+
+def _chimera_rows(d: int, units: int, group: int) -> list[list[Action]]:
+    """Chimera basic units (DESIGN.md P1..P5) concatenated directly.
+
+    ``group`` micro-batches share one forward slot (one F action with count=group) and the slot's
+    backward work is ``group`` single-micro-batch B actions back to back. Between units k and k+1, the
+    last phase of unit k (a x B(p)) and the first phase of unit k+1 (a x F(p)) interleave as
+    a x [B(p) of unit k, F(p) of unit k+1].
+    """
+    rows = []
+    for w in range(d):
+        p, j = (DOWN, w) if w < d // 2 else (UP, d - 1 - w)
+        q = UP if p == DOWN else DOWN
+        stage = {DOWN: w, UP: d - 1 - w}
+        a, b = d // 2 - j, j
+        nf = {DOWN: 0, UP: 0}
+        nb = {DOWN: 0, UP: 0}
+        row: list[Action] = []
+
+        def fs(pipe: str, row: list[Action] = row, nf: dict = nf, stage: dict = stage) -> None:
+            row.append(F(pipe, stage[pipe], nf[pipe], group))
+            nf[pipe] += group
+
+        def bs(pipe: str, row: list[Action] = row, nb: dict = nb, stage: dict = stage) -> None:
+            for _ in range(group):
+                row.append(B(pipe, stage[pipe], nb[pipe]))
+                nb[pipe] += 1
+
+        for u in range(units):
+            for _ in range(a):  # P1 (merged with the previous unit's P5 after the first unit)
+                if u > 0:
+                    bs(p)
+                fs(p)
+            for _ in range(b):  # P2
+                fs(q)
+                fs(p)
+            for _ in range(a):  # P3
+                fs(q)
+                bs(q)
+            for _ in range(b):  # P4
+                bs(p)
+                bs(q)
+        for _ in range(a):  # P5 of the last unit
+            bs(p)
+        rows.append(row)
+    return rows
+
+
+CHIMERA_MODES = ("direct", "doubling", "halving")
+
+
+def chimera(stages: int, microbatches: int, mode: str = "direct") -> Schedule:
+    """Chimera bidirectional pipelines (Li & Hoefler, SC'21).
+
+    Worker w holds stage w of the down pipe and stage D-1-w of the up pipe; N/2 micro-batches go each way.
+
+    Modes for N = K*D (DESIGN.md, paper section 3.5):
+      * ``direct``: K basic units concatenated, unit k+1's first phase interleaved with unit k's last.
+      * ``doubling`` (forward doubling): K/2 units in which every forward slot runs two micro-batches in
+        one action (count=2) and the slot's backward runs them one after the other; activation memory per
+        forward slot doubles, so pair it with recomputation. Needs K even.
+      * ``halving`` (backward halving), as defined here: forward doubling over half-size micro-batches.
+        Each of the N micro-batches is split into two halves (2N units of B/2 samples,
+        ``microbatch_scale`` = 1/2); a forward slot runs one whole micro-batch (both halves, count=2) and
+        each backward action processes one half. Forward memory per slot stays that of one micro-batch,
+        the backward work per action is halved. Needs N a multiple of D.
+    """
+    _check_common(stages, microbatches)
+    if stages % 2:
+        raise ScheduleConfigError(f"chimera needs an even number of --stages (D), got {stages}")
+    if mode not in CHIMERA_MODES:
+        raise ScheduleConfigError(f"unknown chimera mode {mode!r}; allowed: {', '.join(CHIMERA_MODES)}")
+    if microbatches % stages:
+        raise ScheduleConfigError(
+            f"chimera needs --micro-batches (N) to be a multiple of --stages (D={stages}); got N={microbatches}"
+        )
+    k = microbatches // stages
+    scale = Fraction(1)
+    if mode == "direct":
+        rows, units_n = _chimera_rows(stages, k, 1), microbatches
+    elif mode == "doubling":
+        if k % 2:
+            raise ScheduleConfigError(
+                f"chimera forward doubling needs N to be a multiple of 2*D={2 * stages}; got N={microbatches}"
+            )
+        rows, units_n = _chimera_rows(stages, k // 2, 2), microbatches
+    else:
+        rows, units_n, scale = _chimera_rows(stages, k, 2), 2 * microbatches, Fraction(1, 2)
+    placement = {(DOWN, s): s for s in range(stages)}
+    placement.update({(UP, s): stages - 1 - s for s in range(stages)})
+    return Schedule(
+        stages=stages,
+        microbatches=units_n,
+        placement=placement,
+        actions=rows,
+        microbatch_scale=scale,
+        name="chimera",
+        options={"mode": mode},
+    )
+
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "chimera": chimera,
+}
+
+
+def build_schedule(
+    name: str,
+    stages: int,
+    microbatches: int,
+    *,
+    chunks: int = 2,
+    mode: str = "direct",
+    data_parallel: int = 1,
+    reverse_backward: bool = False,
+) -> Schedule:
+    """Build a compute-only schedule by name (``gpipe``, ``1f1b``, ``interleaved``, ``chimera``).
+
+    Raises :class:`ScheduleConfigError` with a one-line message for unsupported parameters.
+    """
+    key = name.lower().replace("-", "").replace("_", "")
+    aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved1f1b": "interleaved",
+               "chimera": "chimera"}
+    if key not in aliases:
+        raise ScheduleConfigError(f"unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
+    if data_parallel < 1:
+        raise ScheduleConfigError(f"--data-parallel (W) must be >= 1, got {data_parallel}")
+    key = aliases[key]
+    if key == "gpipe":
+        s = gpipe(stages, microbatches, reverse_backward)
+    elif key == "1f1b":
+        s = one_f_one_b(stages, microbatches)
+    elif key == "interleaved":
+        s = interleaved_1f1b(stages, microbatches, chunks)
+    else:
+        s = chimera(stages, microbatches, mode)
+    return s.with_data_parallel(data_parallel)

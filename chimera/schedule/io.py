@@ -1,0 +1,76 @@
+"""Schedule exchange formats: CSV (one row per worker, like torch.distributed.pipelining) and JSON."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from fractions import Fraction
+from typing import Any
+
+from chimera.schedule.ir import Action, Kind, Schedule, from_rows
+
+
+def to_csv(schedule: Schedule) -> str:
+    """One row per worker; each cell one action in text form (no pipe prefix for single-direction)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    bi = schedule.bidirectional
+    for row in schedule.actions:
+        writer.writerow([a.text(bi) for a in row])
+    return buf.getvalue()
+
+
+def from_csv(text: str, *, name: str = "custom", microbatches: int | None = None, data_parallel: int = 1,
+             microbatch_scale: Fraction = Fraction(1)) -> Schedule:
+    """Parse :func:`to_csv` output (or a torch pipelining CSV without comm actions)."""
+    rows = [[Action.parse(c) for c in r if c.strip()] for r in csv.reader(io.StringIO(text))]
+    return from_rows(rows, name=name, microbatches=microbatches, data_parallel=data_parallel,
+                     microbatch_scale=microbatch_scale)
+
+
+def action_dict(a: Action) -> dict[str, Any]:
+    """JSON form of one action."""
+    d: dict[str, Any] = {"kind": a.kind.value, "pipe": a.pipe, "stage": a.stage, "microbatch": a.microbatch}
+    if a.count != 1:
+        d["count"] = a.count
+    return d
+
+
+def to_dict(schedule: Schedule) -> dict[str, Any]:
+    """JSON-ready dict: metadata, placement and ``workers`` (per worker, actions in execution order)."""
+    return {
+        "name": schedule.name,
+        "stages": schedule.stages,
+        "microbatches": schedule.microbatches,
+        "data_parallel": schedule.data_parallel,
+        "microbatch_scale": str(schedule.microbatch_scale),
+        "lowered": schedule.lowered,
+        "placement": [{"pipe": p, "stage": s, "worker": w} for (p, s), w in schedule.placement.items()],
+        "workers": [[action_dict(a) for a in row] for row in schedule.actions],
+    }
+
+
+def to_json(schedule: Schedule, indent: int | None = None) -> str:
+    return json.dumps(to_dict(schedule), indent=indent)
+
+
+def from_dict(d: dict[str, Any]) -> Schedule:
+    """Inverse of :func:`to_dict`; only ``workers`` is required."""
+    rows = [
+        [Action(Kind(x["kind"]), x.get("pipe", "down"), x.get("stage", -1), x.get("microbatch", -1), x.get("count", 1))
+         for x in row]
+        for row in d["workers"]
+    ]
+    s = from_rows(rows, name=d.get("name", "custom"), microbatches=d.get("microbatches"),
+                  stages=d.get("stages"), data_parallel=d.get("data_parallel", 1),
+                  microbatch_scale=Fraction(d.get("microbatch_scale", "1")))
+    if "placement" in d:
+        placement = {(x["pipe"], x["stage"]): x["worker"] for x in d["placement"]}
+        if placement != dict(s.placement):
+            raise ValueError("placement in JSON disagrees with where the actions are")
+    return s
+
+
+def from_json(text: str) -> Schedule:
+    return from_dict(json.loads(text))

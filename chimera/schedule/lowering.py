@@ -1,0 +1,84 @@
+"""Lowering passes: compute-only lists → lists with send/recv, gradient sync and the optimizer step.
+
+Each pass takes and returns a :class:`Schedule`; :func:`lower` applies them in order.
+
+* :func:`add_p2p`: a receive right before the F or B that needs data from another worker, a send right
+  after the F or B whose output another worker needs. A run of consecutive send/recv actions is one
+  *communication batch*: the runtime posts it at once (``batch_isend_irecv``), waits for its receives
+  and keeps the send handles; sends never block (see :mod:`chimera.schedule.replay`).
+* :func:`add_grad_sync`: ALLREDUCE_START(stage) right after the last backward of that stage replica on the
+  worker (after the communication batch that follows it, so that a batch is never split), ALLREDUCE_WAIT for every started stage at the end. Only where
+  the stage group (all replicas over both pipes and W groups) has more than one member.
+* :func:`add_optimizer_step`: OPTIMIZER_STEP as the last action of every worker.
+"""
+
+from __future__ import annotations
+
+from chimera.schedule.ir import Action, Kind, Schedule, _replace
+
+
+def add_p2p(schedule: Schedule) -> Schedule:
+    """Insert point-to-point send/receive actions around compute actions."""
+    if schedule.lowered:
+        raise ValueError("schedule is already lowered; call compute_only() first")
+    place = schedule.placement
+    last = schedule.stages - 1
+    rows = []
+    for w, row in enumerate(schedule.actions):
+        out: list[Action] = []
+        for a in row:
+            p, s = a.pipe, a.stage
+            if a.kind is Kind.F:
+                if s > 0 and place[(p, s - 1)] != w:
+                    out.append(Action(Kind.RECV_ACT, p, s, a.microbatch, a.count))
+                out.append(a)
+                if s < last and place[(p, s + 1)] != w:
+                    out.append(Action(Kind.SEND_ACT, p, s, a.microbatch, a.count))
+            elif a.kind is Kind.B:
+                if s < last and place[(p, s + 1)] != w:
+                    out.append(Action(Kind.RECV_GRAD, p, s, a.microbatch, a.count))
+                out.append(a)
+                if s > 0 and place[(p, s - 1)] != w:
+                    out.append(Action(Kind.SEND_GRAD, p, s, a.microbatch, a.count))
+            else:
+                out.append(a)
+        rows.append(out)
+    return _replace(schedule, actions=rows, lowered=True)
+
+
+def add_grad_sync(schedule: Schedule) -> Schedule:
+    """Start each stage replica's gradient allreduce after its last backward; wait for all at the end."""
+    rows = []
+    for row in schedule.actions:
+        last_b: dict[tuple[str, int], int] = {}
+        for i, a in enumerate(row):
+            if a.kind is Kind.B:
+                last_b[(a.pipe, a.stage)] = i
+        starts: dict[int, list[Action]] = {}
+        waits: list[Action] = []
+        for (p, s), i in last_b.items():
+            if len(schedule.stage_group(s)) < 2:
+                continue
+            j = i + 1
+            while j < len(row) and row[j].kind.is_p2p:
+                j += 1  # after the communication batch that follows the backward: never split a batch
+            starts.setdefault(j, []).append(Action(Kind.ALLREDUCE_START, p, s))
+            waits.append(Action(Kind.ALLREDUCE_WAIT, p, s))
+        out: list[Action] = []
+        for i, a in enumerate(row):
+            out.extend(starts.get(i, []))
+            out.append(a)
+        out.extend(starts.get(len(row), []))
+        out.extend(sorted(waits, key=lambda a: (a.stage, a.pipe)))
+        rows.append(out)
+    return _replace(schedule, actions=rows, lowered=True)
+
+
+def add_optimizer_step(schedule: Schedule) -> Schedule:
+    """Append the optimizer step to every worker."""
+    return _replace(schedule, actions=[[*row, Action(Kind.OPTIMIZER_STEP)] for row in schedule.actions], lowered=True)
+
+
+def lower(schedule: Schedule) -> Schedule:
+    """Apply all lowering passes: p2p, gradient sync, optimizer step."""
+    return add_optimizer_step(add_grad_sync(add_p2p(schedule)))

@@ -1,0 +1,147 @@
+"""The one validator: structural checks plus a deadlock-free run under blocking point-to-point semantics.
+
+Checks, in order:
+
+1. every action sits on the worker that holds its (pipe, stage);
+2. every (pipe, stage, micro-batch) has exactly one F and one B, the F first;
+3. (lowered) every send has exactly one matching receive on the right peer, and on every channel
+   (sender, receiver, pipe) the sends and the receives come in the same order (NCCL matches p2p
+   messages in posting order);
+4. the lists run to completion with :func:`chimera.schedule.replay.replay` (a compute-only schedule is
+   lowered first): blocking receives, non-blocking sends, allreduce waits that need every replica.
+
+A failure raises :class:`ScheduleError`, whose message holds the step x worker grid with the offending
+actions marked ``>...<``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from chimera.schedule.ir import Action, Kind, Schedule
+from chimera.schedule.replay import message_key, replay
+
+
+class ScheduleError(ValueError):
+    """A schedule is invalid; the message explains why and shows the step x worker grid."""
+
+
+def format_grid(
+    schedule: Schedule, marks: dict[int, int] | None = None, window: int = 12, max_rows: int = 48
+) -> str:
+    """Render the lists as a step x worker table; ``marks`` maps worker -> step to highlight."""
+    marks = marks or {}
+    bi = schedule.bidirectional
+    rows = schedule.actions
+    height = max((len(r) for r in rows), default=0)
+    lo, hi = 0, height
+    if height > max_rows and marks:
+        lo = max(0, min(marks.values()) - window)
+        hi = min(height, max(marks.values()) + window + 1)
+    elif height > max_rows:
+        hi = max_rows
+
+    def cell(w: int, i: int) -> str:
+        if i >= len(rows[w]):
+            return ""
+        t = rows[w][i].text(bi)
+        return f">{t}<" if marks.get(w) == i else t
+
+    width = max([8, *(len(cell(w, i)) for w in range(len(rows)) for i in range(lo, hi))]) + 1
+    lines = ["step " + "".join(f"w{w}".ljust(width) for w in range(len(rows)))]
+    if lo > 0:
+        lines.append(f"... ({lo} steps above)")
+    for i in range(lo, hi):
+        lines.append(f"{i:<5}" + "".join(cell(w, i).ljust(width) for w in range(len(rows))))
+    if hi < height:
+        lines.append(f"... ({height - hi} steps below)")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _fail(schedule: Schedule, msg: str, marks: dict[int, int]) -> None:
+    raise ScheduleError(f"invalid {schedule.name} schedule: {msg}\n{format_grid(schedule, marks)}")
+
+
+def _check_structure(s: Schedule) -> None:
+    counts: Counter[tuple[Kind, str, int, int]] = Counter()
+    first: dict[tuple[Kind, str, int, int], tuple[int, int]] = {}
+    for w, row in enumerate(s.actions):
+        for i, a in enumerate(row):
+            if a.kind is Kind.OPTIMIZER_STEP:
+                continue
+            home = s.placement.get((a.pipe, a.stage))
+            if home is None:
+                _fail(s, f"{a} names stage {a.stage} of the {a.pipe} pipe, which no worker holds", {w: i})
+            if home != w:
+                _fail(s, f"{a} is on worker {w} but stage {a.stage} of the {a.pipe} pipe is on worker {home}", {w: i})
+            if a.kind.is_compute:
+                for m in a.microbatches:
+                    key = (a.kind, a.pipe, a.stage, m)
+                    counts[key] += 1
+                    first.setdefault(key, (w, i))
+    for (p, st), w in s.placement.items():
+        for m in range(s.pipe_microbatches(p)):
+            f, b = (Kind.F, p, st, m), (Kind.B, p, st, m)
+            for key, what in ((f, "F"), (b, "B")):
+                if counts[key] != 1:
+                    n = counts[key]
+                    marks = {first[key][0]: first[key][1]} if key in first else {}
+                    _fail(s, f"{Action(key[0], p, st, m)} ({what} of micro-batch {m}) appears {n} times, expected once "
+                          f"on worker {w}", marks)
+            if first[f][1] > first[b][1]:
+                _fail(s, f"{Action(Kind.B, p, st, m)} comes before its forward on worker {w}", {w: first[b][1]})
+    extra = [k for k in counts if k[3] >= s.pipe_microbatches(k[1])]
+    if extra:
+        k = extra[0]
+        _fail(s, f"{Action(k[0], k[1], k[2], k[3])}: micro-batch {k[3]} is out of range for "
+              f"{s.pipe_microbatches(k[1])} micro-batches in the {k[1]} pipe", {first[k][0]: first[k][1]})
+
+
+def _check_channels(s: Schedule) -> None:
+    sends: dict[tuple[int, int, str], list[tuple[tuple, int]]] = defaultdict(list)
+    recvs: dict[tuple[int, int, str], list[tuple[tuple, int]]] = defaultdict(list)
+    for w, row in enumerate(s.actions):
+        for i, a in enumerate(row):
+            if not a.kind.is_p2p:
+                continue
+            try:
+                key, peer = message_key(a, dict(s.placement))
+            except KeyError:
+                _fail(s, f"{a} has no peer stage (it is at the end of the {a.pipe} pipe)", {w: i})
+            if a.kind.is_send:
+                sends[(w, peer, a.pipe)].append(((key, a.count), i))
+            else:
+                recvs[(peer, w, a.pipe)].append(((key, a.count), i))
+    for ch in sorted(set(sends) | set(recvs)):
+        src, dst, pipe = ch
+        ss, rr = sends.get(ch, []), recvs.get(ch, [])
+        for n, (x, y) in enumerate(zip(ss, rr)):
+            if x[0] != y[0]:
+                _fail(s, f"worker {src} sends {x[0][0]} as message {n} of the {pipe} channel to worker {dst}, "
+                      f"but worker {dst} receives {y[0][0]} there (messages match in order)", {src: x[1], dst: y[1]})
+        if len(ss) != len(rr):
+            longer, w = (ss, src) if len(ss) > len(rr) else (rr, dst)
+            extra = longer[min(len(ss), len(rr))]
+            _fail(s, f"unmatched {'send' if longer is ss else 'receive'} {extra[0][0]} on the {pipe} channel "
+                  f"{src}->{dst}", {w: extra[1]})
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Check ``schedule``; return it unchanged when valid, else raise :class:`ScheduleError`."""
+    from chimera.schedule.lowering import lower
+
+    _check_structure(schedule)
+    run = schedule
+    if schedule.lowered:
+        _check_channels(schedule)
+    else:
+        run = lower(schedule)
+        _check_channels(run)
+    zero = lambda *_: 0  # noqa: E731
+    result = replay(run, zero, zero, zero, 0)
+    if result.stuck:
+        marks = {w: i for w, (i, _) in result.stuck.items()}
+        why = "; ".join(f"worker {w} at step {i}: {r}" for w, (i, r) in sorted(result.stuck.items()))
+        prefix = "" if run is schedule else "(after lowering) "
+        raise ScheduleError(f"invalid {schedule.name} schedule: {prefix}deadlock: {why}\n{format_grid(run, marks)}")
+    return schedule
