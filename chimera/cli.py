@@ -1,0 +1,159 @@
+"""The ``chimera`` command line.
+
+Examples::
+
+    chimera schedule show chimera --stages 4 --micro-batches 8 --format text
+    chimera schedule show 1f1b --stages 4 --micro-batches 8 --format json --lowered
+    chimera schedule simulate chimera --stages 4 --micro-batches 4 --fwd 1 --bwd 2 --json
+    chimera schedule plot chimera --stages 4 --micro-batches 8 -o chimera.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from fractions import Fraction
+
+from chimera.schedule import (
+    CHIMERA_MODES,
+    SCHEDULES,
+    Costs,
+    Schedule,
+    ScheduleConfigError,
+    ScheduleError,
+    build_schedule,
+    lower,
+    simulate,
+    to_csv,
+    to_json,
+    validate,
+)
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _number(text: str) -> Fraction | float:
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _add_schedule_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help=f"schedule: {', '.join(SCHEDULES)}")
+    p.add_argument("--stages", "-D", type=int, required=True, help="pipeline depth D (workers per pipeline)")
+    p.add_argument("--micro-batches", "-N", type=int, required=True, help="micro-batches per iteration N")
+    p.add_argument("--chunks", "-v", type=int, default=2, help="stages per worker v (interleaved only)")
+    p.add_argument("--mode", default="direct", help=f"chimera N>D mode: {', '.join(CHIMERA_MODES)}")
+    p.add_argument("--data-parallel", "-W", type=int, default=1, help="data-parallel width W")
+    p.add_argument("--reverse-backward", action="store_true", help="GPipe: backward in reverse order")
+    p.add_argument("--lowered", action="store_true", help="include send/recv, allreduce and optimizer actions")
+
+
+def _schedule(args: argparse.Namespace) -> Schedule:
+    if args.chunks < 1:
+        raise ScheduleConfigError(f"--chunks (v) must be >= 1, got {args.chunks}")
+    s = build_schedule(args.name, args.stages, args.micro_batches, chunks=args.chunks, mode=args.mode,
+                       data_parallel=args.data_parallel, reverse_backward=args.reverse_backward)
+    validate(s)
+    return lower(s) if args.lowered else s
+
+
+def _costs(args: argparse.Namespace) -> Costs:
+    return Costs(fwd=args.fwd, bwd=args.bwd, p2p_latency=args.p2p_latency, allreduce=args.allreduce,
+                 optimizer=args.optimizer)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    s = _schedule(args)
+    if args.format == "json":
+        print(to_json(s))
+    elif args.format == "csv":
+        print(to_csv(s), end="")
+    else:
+        print(s.text())
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    s = _schedule(args)
+    r = simulate(s, _costs(args))
+    d = r.as_dict()
+    if args.json:
+        print(json.dumps(d))
+        return 0
+    print(f"{s.name}: D={s.stages} workers={s.workers} N={s.microbatches} W={s.data_parallel}")
+    print(f"makespan          {d['makespan']}")
+    print(f"bubble            {d['bubble']:.4f}  ({r.bubble})")
+    print(f"busy              {' '.join(str(b) for b in d['busy'])}")
+    print(f"peak activations  {' '.join(str(p) for p in d['peak_activations'])}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from chimera.timeline.events import events_from_simulation
+    from chimera.timeline.plot import plot_timeline, save_figure
+
+    s = _schedule(args)
+    r = simulate(s, _costs(args))
+    title = (f"{s.name} D={s.stages} N={s.microbatches} (F={args.fwd}, B={args.bwd}): makespan {float(r.makespan):g}, "
+             f"bubble {float(r.bubble):.1%}")
+    fig = plot_timeline(events_from_simulation(r), s.workers, title=title, time_unit="units")
+    for path in save_figure(fig, args.output):
+        print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="chimera", description="Chimera bidirectional pipeline parallelism on Ray")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sched = sub.add_parser("schedule", help="show, simulate or plot a pipeline schedule")
+    ssub = sched.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    show = ssub.add_parser("show", help="print a schedule as text, CSV or JSON")
+    _add_schedule_args(show)
+    show.add_argument("--format", choices=("text", "csv", "json"), default="text")
+    show.set_defaults(func=cmd_show)
+    for name, func, helptext in (("simulate", cmd_simulate, "simulate one iteration"),
+                                 ("plot", cmd_plot, "draw the simulated worker x time grid")):
+        p = ssub.add_parser(name, help=helptext)
+        _add_schedule_args(p)
+        p.add_argument("--fwd", type=_number, default=Fraction(1), help="forward time per micro-batch")
+        p.add_argument("--bwd", type=_number, default=Fraction(2), help="backward time per micro-batch")
+        p.add_argument("--p2p-latency", type=_number, default=Fraction(0), help="time of one p2p message")
+        p.add_argument("--allreduce", type=_number, default=Fraction(0), help="gradient allreduce time per stage")
+        p.add_argument("--optimizer", type=_number, default=Fraction(0), help="optimizer step time")
+        if name == "simulate":
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+        else:
+            p.add_argument("-o", "--output", required=True, help="output file (.png/.pdf; no suffix: both)")
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``chimera`` console script."""
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except (UsageError, ScheduleConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ScheduleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Worker x time timeline figures (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from chimera.timeline.events import Event  # noqa: E402
+
+# Forward and backward in two colour families; the up pipe in a darker shade of each.
+COLORS = {
+    ("F", "down"): "#8ecae6",
+    ("F", "up"): "#219ebc",
+    ("B", "down"): "#ffb703",
+    ("B", "up"): "#fb8500",
+}
+SYNC_COLOR = "#bdbdbd"
+COMM_COLOR = "#e5e5e5"
+
+
+def _label(e: Event, bidirectional: bool) -> str:
+    mb = str(e.microbatch) if e.count == 1 else f"{e.microbatch}-{e.microbatch + e.count - 1}"
+    return (("d" if e.pipe == "down" else "u") + mb) if bidirectional else mb
+
+
+def plot_timeline(
+    events: Sequence[Event],
+    workers: int,
+    *,
+    title: str = "",
+    ax: plt.Axes | None = None,
+    show_comm: bool = False,
+    time_unit: str = "",
+    iteration_bounds: Sequence[float] = (),
+) -> plt.Figure:
+    """Draw one row per worker: F/B boxes coloured by kind and pipe, gradient sync hatched.
+
+    Returns the figure; rows are ``ax.get_yticks()`` (one per worker, worker 0 on top).
+    """
+    if ax is None:
+        width = min(24.0, 6.0 + 0.05 * len(events) / max(1, workers))
+        fig, ax = plt.subplots(figsize=(width, 0.6 * workers + 1.6))
+    else:
+        fig = ax.figure
+    bidirectional = any(e.pipe == "up" for e in events)
+    span = max((e.end for e in events), default=1.0) - min((e.start for e in events), default=0.0)
+    for e in events:
+        y = workers - 1 - e.worker
+        if e.kind in ("F", "B"):
+            ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=COLORS[(e.kind, e.pipe)],
+                           edgecolors="black", linewidth=0.4)
+            if e.duration > span / 60:
+                ax.text(e.start + e.duration / 2, y, _label(e, bidirectional), ha="center", va="center", fontsize=7)
+        elif e.kind in ("ALLREDUCE_START", "ALLREDUCE_WAIT") and e.duration > 0:
+            ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=SYNC_COLOR, edgecolors="black",
+                           hatch="///", linewidth=0.4)
+        elif show_comm and e.kind.startswith(("SEND", "RECV")) and e.duration > 0:
+            ax.broken_barh([(e.start, e.duration)], (y - 0.2, 0.4), facecolors=COMM_COLOR, edgecolors="none")
+    for t in iteration_bounds:
+        ax.axvline(t, color="red", linestyle="--", linewidth=0.8)
+    ax.set_yticks(range(workers))
+    ax.set_yticklabels([f"worker {w}" for w in range(workers - 1, -1, -1)])
+    ax.set_ylim(-0.6, workers - 0.4)
+    ax.set_xlabel(f"time{f' ({time_unit})' if time_unit else ''}")
+    handles = [Patch(facecolor=COLORS[("F", "down")], edgecolor="black", label="forward" + (" (down)" if bidirectional else "")),
+               Patch(facecolor=COLORS[("B", "down")], edgecolor="black", label="backward" + (" (down)" if bidirectional else ""))]
+    if bidirectional:
+        handles += [Patch(facecolor=COLORS[("F", "up")], edgecolor="black", label="forward (up)"),
+                    Patch(facecolor=COLORS[("B", "up")], edgecolor="black", label="backward (up)")]
+    if any(e.kind.startswith("ALLREDUCE") and e.duration > 0 for e in events):
+        handles.append(Patch(facecolor=SYNC_COLOR, edgecolor="black", hatch="///", label="gradient sync"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 if workers < 6 else -0.1),
+              ncol=len(handles), fontsize=8, frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(fig: plt.Figure, path: str | Path) -> list[Path]:
+    """Save ``fig`` at ``path``; a path without suffix is written as both PDF and PNG."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    paths = [p] if p.suffix else [p.with_suffix(".pdf"), p.with_suffix(".png")]
+    for q in paths:
+        fig.savefig(q, dpi=150, bbox_inches="tight")
+    return paths
