@@ -94,6 +94,9 @@ def test_tied_weights(name: str) -> None:
     assert torch.equal(first_alone.get_parameter(pi), last_alone.get_parameter(pj))
     both = model.build_layers([0, last], seed=SEED)
     assert both[0].get_parameter(pi) is both[1].get_parameter(pj)
+    moved = model.build_layers([0, last], seed=SEED, device="meta")
+    assert moved[0].get_parameter(pi) is moved[1].get_parameter(pj)
+    assert moved[0].get_parameter(pi).device.type == "meta"
     other_seed = model.build_layers([last], seed=SEED + 1)[0]
     assert not torch.equal(other_seed.get_parameter(pj), last_alone.get_parameter(pj))
 

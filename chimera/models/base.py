@@ -146,14 +146,14 @@ class LayeredModel(ABC):
                 layer = self._make_layer(i)
                 self._init_layer(i, layer, seed)
                 layers[i] = layer
+        if device is not None:
+            for layer in layers.values():
+                layer.to(device)
+        # tie after moving: .to() may replace Parameter objects (e.g. to/from the meta device)
         for (li, pi), (lj, pj) in self.tied_parameters():
             if li in layers and lj in layers:
                 _set_parameter(layers[lj], pj, _get_parameter(layers[li], pi))
-        out = [layers[i] for i in indices]
-        if device is not None:
-            # one .to() over all layers keeps a shared Parameter shared
-            nn.ModuleList(out).to(device)
-        return out
+        return [layers[i] for i in indices]
 
     def hf_parameter_name(self, index: int, name: str) -> str:
         """Name of layer ``index``'s parameter ``name`` in the matching transformers model."""

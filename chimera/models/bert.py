@@ -75,9 +75,9 @@ class BertHeadLayer(nn.Module):
         """Scalar loss: MLM cross-entropy (ignore -100, mean) + NSP cross-entropy (mean)."""
         mlm_logits, nsp_logits = self.logits(hidden)
         mlm = F.cross_entropy(
-            mlm_logits.float().view(-1, self.vocab_size), labels["labels"].view(-1), ignore_index=-100
+            mlm_logits.float().view(-1, self.vocab_size), labels["labels"].reshape(-1), ignore_index=-100
         )
-        nsp = F.cross_entropy(nsp_logits.float().view(-1, 2), labels["next_sentence_label"].view(-1))
+        nsp = F.cross_entropy(nsp_logits.float().view(-1, 2), labels["next_sentence_label"].reshape(-1))
         return mlm + nsp
 
 
