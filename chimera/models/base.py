@@ -67,8 +67,9 @@ def init_module_(module: nn.Module, gen: torch.Generator, std: float) -> None:
 class LayeredModel(ABC):
     """A model decomposed into ``num_layers`` ordered layers (embeddings, blocks, head + loss).
 
-    Subclasses implement :meth:`_make_layer`, :meth:`_init_layer`, :meth:`_tie_into` and the activation
-    description. ``config`` is the transformers config the layers are built from.
+    Subclasses implement :meth:`_make_layer`, :meth:`_init_layer` and :meth:`tied_parameters` (and
+    override :meth:`activation_spec` if their activations differ). ``config`` is the transformers config
+    the layers are built from; ``seq_len`` the default sequence length of the preset.
     """
 
     family: str = "generic"
