@@ -1,0 +1,75 @@
+"""The data interface the pipeline runtime reads micro-batches through."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+Batch = dict[str, torch.Tensor]
+_M64 = (1 << 64) - 1
+
+
+@runtime_checkable
+class PipelineDataset(Protocol):
+    """Micro-batches addressed by ``(step, microbatch, dp_rank)``, deterministic from that address.
+
+    ``get`` returns ``(inputs, labels)``: the first stage reads ``inputs``, the last stage ``labels``.
+    Two processes asking for the same address get identical tensors.
+    """
+
+    micro_batch_size: int
+    seq_len: int
+
+    def get(self, step: int, microbatch: int, dp_rank: int) -> tuple[Batch, Batch]:
+        """Inputs and labels of one micro-batch."""
+        ...
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def mix_seed(*parts: int) -> int:
+    """Stable 63-bit hash of integers (independent of Python's hash randomisation)."""
+    h = 0
+    for part in parts:
+        h = _splitmix64(h ^ (part & _M64))
+    return h >> 1
+
+
+def address_generator(seed: int, step: int, microbatch: int, dp_rank: int) -> torch.Generator:
+    """CPU generator seeded from ``(seed, step, microbatch, dp_rank)``."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(mix_seed(seed, step, microbatch, dp_rank))
+    return gen
+
+
+class AddressedDataset:
+    """Base for datasets that draw each micro-batch from its own address generator."""
+
+    def __init__(self, vocab_size: int, seq_len: int, micro_batch_size: int, seed: int) -> None:
+        if micro_batch_size < 1 or seq_len < 1:
+            raise ValueError(f"micro_batch_size and seq_len must be >= 1, got {micro_batch_size}, {seq_len}")
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+
+    def _sample(self, gen: torch.Generator) -> tuple[Batch, Batch]:
+        raise NotImplementedError
+
+    def get(self, step: int, microbatch: int, dp_rank: int = 0) -> tuple[Batch, Batch]:
+        """Inputs and labels of micro-batch ``microbatch`` of ``step`` on data-parallel rank ``dp_rank``."""
+        return self._sample(address_generator(self.seed, step, microbatch, dp_rank))
+
+    def inputs(self, step: int, microbatch: int, dp_rank: int = 0) -> Batch:
+        """First-stage inputs only."""
+        return self.get(step, microbatch, dp_rank)[0]
+
+    def labels(self, step: int, microbatch: int, dp_rank: int = 0) -> Batch:
+        """Last-stage labels only."""
+        return self.get(step, microbatch, dp_rank)[1]

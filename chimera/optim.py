@@ -1,0 +1,125 @@
+"""Optimizers, learning-rate schedules and global gradient-norm clipping across pipeline stages."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+OPTIMIZERS = ("lamb", "adamw", "sgd")
+SCHEDULES = ("linear", "cosine", "constant")
+
+
+def _has_apex() -> bool:
+    try:
+        import apex.optimizers  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _all_cuda(params: list[Any]) -> bool:
+    tensors = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
+    return bool(tensors) and all(t.is_cuda for t in tensors)
+
+
+def build_optimizer(
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    name: str = "lamb",
+    lr: float = 1e-3,
+    weight_decay: float = 0.01,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+) -> torch.optim.Optimizer:
+    """Optimizer ``name`` over ``params`` (tensors or param-group dicts).
+
+    ``"lamb"``: apex ``FusedLAMB`` when apex imports and every parameter is on CUDA, otherwise
+    ``pytorch_optimizer.Lamb``; neither clips internally (clip with :func:`clip_grad_norm_global`).
+    ``"adamw"``: ``torch.optim.AdamW``. ``"sgd"``: plain ``torch.optim.SGD`` (no momentum; ``weight_decay``
+    applies), exact and cheap for parity tests.
+    """
+    params = list(params)
+    if name == "lamb":
+        if _has_apex() and _all_cuda(params):
+            from apex.optimizers import FusedLAMB
+
+            return FusedLAMB(
+                params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=0.0
+            )
+        from pytorch_optimizer import Lamb
+
+        return Lamb(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=0.0)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
+
+
+def warmup_decay_schedule(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, kind: str = "linear"
+) -> LambdaLR:
+    """Linear warm-up from 0 over ``warmup_steps``, then ``kind`` until ``total_steps``.
+
+    Factor at step t < warmup: ``t / warmup``. After: ``"linear"`` decays to 0 at ``total_steps``,
+    ``"cosine"`` follows half a cosine to 0, ``"constant"`` stays at 1. Steps past ``total_steps`` stay at
+    the final value.
+    """
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule {kind!r}; allowed: {', '.join(SCHEDULES)}")
+    if warmup_steps < 0 or total_steps < warmup_steps:
+        raise ValueError(f"need 0 <= warmup_steps <= total_steps, got {warmup_steps} and {total_steps}")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return step / warmup_steps
+        if kind == "constant" or total_steps == warmup_steps:
+            return 1.0 if kind == "constant" else 0.0
+        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        if kind == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor)
+
+
+def local_grad_sq_norm(
+    params: Iterable[torch.Tensor], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Sum of squared gradient norms of ``params`` as a float64 scalar (0 when there are no grads)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(grads, 2.0)
+    sq = torch.stack([n.to(torch.float64) for n in norms]).square().sum()
+    return sq if device is None else sq.to(device)
+
+
+def clip_grad_norm_global(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    allreduce_sq_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> float:
+    """Clip gradients to a global L2 norm computed across all pipeline stages; return that norm.
+
+    Each stage computes the local sum of squared grad norms, ``allreduce_sq_norm`` sums it over the
+    stages (identity when None), and all local grads are scaled by ``min(1, max_norm / (norm + 1e-6))``.
+    ``params`` must already be de-duplicated by the caller: a tied or replicated parameter (the embedding
+    and its tied decoder on another stage, Chimera's two stage replicas, data-parallel copies) must be
+    counted on exactly one rank of the reduction. A non-finite norm is returned without scaling.
+    """
+    params = [p for p in params if p.grad is not None]
+    device = params[0].grad.device if params else None
+    sq = local_grad_sq_norm(params, device=device)
+    if allreduce_sq_norm is not None:
+        sq = allreduce_sq_norm(sq)
+    total = float(sq.sqrt())
+    if not math.isfinite(total):
+        return total
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0 and params:
+        torch._foreach_mul_([p.grad for p in params], coef)
+    return total
