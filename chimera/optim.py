@@ -102,6 +102,7 @@ def clip_grad_norm_global(
     params: Iterable[torch.Tensor],
     max_norm: float,
     allreduce_sq_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    norm_params: Iterable[torch.Tensor] | None = None,
 ) -> float:
     """Clip gradients to a global L2 norm computed across all pipeline stages; return that norm.
 
@@ -110,10 +111,13 @@ def clip_grad_norm_global(
     ``params`` must already be de-duplicated by the caller: a tied or replicated parameter (the embedding
     and its tied decoder on another stage, Chimera's two stage replicas, data-parallel copies) must be
     counted on exactly one rank of the reduction. A non-finite norm is returned without scaling.
+    ``norm_params``, when given, are the parameters whose norm this rank contributes (a pipeline worker
+    holding replicas counts only one of them) while all of ``params`` are scaled.
     """
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else None
-    sq = local_grad_sq_norm(params, device=device)
+    counted = params if norm_params is None else [p for p in norm_params if p.grad is not None]
+    sq = local_grad_sq_norm(counted, device=device)
     if allreduce_sq_norm is not None:
         sq = allreduce_sq_norm(sq)
     total = float(sq.sqrt())

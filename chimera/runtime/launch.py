@@ -1,0 +1,139 @@
+"""Run a pipeline job without Ray: one ``torch.multiprocessing`` process per worker on this machine.
+
+Used by the runtime's own tests and by anyone who wants the runtime without a cluster::
+
+    result = run_local(TrainConfig(model="bert-tiny", stages=2, micro_batches=4, steps=3))
+    result.metrics[-1]["loss"]
+
+The Ray driver (``ray_launch.driver``) shares :func:`summarize_step` with this launcher.
+"""
+
+from __future__ import annotations
+
+import io
+import queue
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from chimera.runtime.config import Plan, TrainConfig
+from chimera.runtime.worker import PipelineWorker, StepResult
+
+
+class WorkerError(RuntimeError):
+    """A worker failed; the message names it and carries its error."""
+
+
+def summarize_step(cfg: TrainConfig, plan: Plan, results: list[StepResult]) -> dict[str, Any]:
+    """One metrics record from all workers' results of one step."""
+    by_stage: dict[int, set[str]] = {}
+    for r in results:
+        for (_, stage), digest in r.digests.items():
+            by_stage.setdefault(stage, set()).add(digest)
+    diverged = sorted(s for s, d in by_stage.items() if len(d) > 1)
+    if diverged:
+        raise WorkerError(f"step {results[0].step}: the replicas of stage(s) {diverged} are no longer bitwise "
+                          "identical (gradient sync or optimizer differs between replicas)")
+    count = sum(r.loss_count for r in results)
+    step_time = max(r.step_time_s for r in results)
+    samples = cfg.micro_batches * cfg.micro_batch_size * cfg.data_parallel
+    return {
+        "step": results[0].step,
+        "loss": sum(r.loss_sum for r in results) / max(1, count),
+        "step_time_s": step_time,
+        "samples_per_s": samples / step_time if step_time > 0 else float("inf"),
+        "grad_norm": max(r.grad_norm for r in results),
+        "microbatch_losses": count,
+    }
+
+
+@dataclass
+class LocalResult:
+    """Metrics per step, events (when profiling), and (on request) every rank's final parameters."""
+
+    metrics: list[dict[str, Any]]
+    events: list[Any] = field(default_factory=list)
+    states: dict[int, Any] = field(default_factory=dict)
+
+
+def _worker_main(cfg: TrainConfig, plan: Plan, rank: int, world: int, init: str, out: Any,
+                 return_state: bool) -> None:
+    worker = None
+    try:
+        worker = PipelineWorker(cfg, rank, world, init, plan)
+        worker.setup()
+        for step in range(cfg.steps):
+            out.put(("step", rank, worker.train_step(step)))
+        if return_state:  # as bytes: tensors shared by fd die with this process before the parent reads them
+            buf = io.BytesIO()
+            torch.save(worker.state(), buf)
+            out.put(("state", rank, buf.getvalue()))
+        out.put(("done", rank, None))
+    except BaseException as e:  # report every failure to the parent, then exit
+        out.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
+    finally:
+        if worker is not None:
+            try:
+                worker.close()
+            except Exception:
+                pass
+
+
+def _context() -> Any:
+    """A forkserver that has imported torch and chimera once: workers start in well under a second."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "chimera.runtime.worker"])
+    return ctx
+
+
+def run_local(cfg: TrainConfig, *, return_state: bool = False, timeout_s: float | None = None) -> LocalResult:
+    """Run ``cfg`` with one process per worker (forked from a preloaded forkserver); raise :class:`WorkerError` if any fails."""
+    plan = cfg.check()
+    world = plan.world_size
+    ctx = _context()
+    out = ctx.Queue()
+    limit = timeout_s if timeout_s is not None else cfg.timeout_s * (cfg.steps + 2) + 120
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/rendezvous"
+        procs = [ctx.Process(target=_worker_main, args=(cfg, plan, r, world, init, out, return_state), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        steps: dict[int, list[StepResult]] = {}
+        states: dict[int, Any] = {}
+        done: set[int] = set()
+        deadline = time.monotonic() + limit
+        try:
+            while len(done) < world:
+                try:
+                    kind, rank, payload = out.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
+                    if dead:
+                        raise WorkerError(f"worker {dead[0]} exited with code {procs[dead[0]].exitcode}") from None
+                    if time.monotonic() > deadline:
+                        raise WorkerError(f"run did not finish within {limit:.0f} s; workers still running: "
+                                          f"{sorted(set(range(world)) - done)}") from None
+                    continue
+                if kind == "error":
+                    raise WorkerError(f"worker {rank} failed: {payload}")
+                if kind == "step":
+                    steps.setdefault(payload.step, []).append(payload)
+                elif kind == "state":
+                    states[rank] = torch.load(io.BytesIO(payload))
+                else:
+                    done.add(rank)
+        finally:
+            for p in procs:
+                p.join(timeout=5 if len(done) == world else 0.5)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=5)
+    metrics = [summarize_step(cfg, plan, steps[s]) for s in sorted(steps)]
+    events = [e for s in sorted(steps) for r in steps[s] for e in r.events]
+    return LocalResult(metrics, events, states)
