@@ -6,7 +6,14 @@ import time
 import pytest
 import torch
 
-from chimera.runtime import ConfigError, TrainConfig, WorkerError, run_local, stage_params_by_layer, train_sequential
+from chimera.runtime import (
+    ConfigError,
+    TrainConfig,
+    WorkerError,
+    run_local,
+    stage_params_by_layer,
+    train_sequential,
+)
 
 BASE = TrainConfig(model="bert-tiny", micro_batch_size=2, seq_len=16, steps=5, optimizer="adamw", lr=1e-3,
                    timeout_s=60, check_replicas=True)
@@ -26,7 +33,7 @@ def assert_parity(cfg: TrainConfig) -> None:
             replicas.setdefault(stage, []).append(params)
             for k, v in got.items():
                 assert (v - ref[k]).abs().max().item() <= 1e-5, (stage, k)
-    for stage, copies in replicas.items():  # every replica of a stage is bitwise identical
+    for copies in replicas.values():  # every replica of a stage is bitwise identical
         for other in copies[1:]:
             assert all(torch.equal(copies[0][n], other[n]) for n in copies[0])
     assert len(res.states) == plan.world_size
@@ -67,7 +74,7 @@ def test_stalled_peer_names_worker_and_action():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"stages": 8}, "D=8 is larger than the 4 layers of bert-tiny"),
+    ({"stages": 8, "micro_batches": 8}, "D=8 is larger than the 4 layers of bert-tiny"),
     ({"stages": 3, "micro_batches": 3}, "even number of --stages"),
     ({"stages": 2, "micro_batches": 3}, "multiple of --stages"),
     ({"micro_batch_size": 0}, "--micro-batch-size must be >= 1"),

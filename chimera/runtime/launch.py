@@ -10,6 +10,7 @@ The Ray driver (``ray_launch.driver``) shares :func:`summarize_step` with this l
 
 from __future__ import annotations
 
+import contextlib
 import io
 import queue
 import tempfile
@@ -78,10 +79,8 @@ def _worker_main(cfg: TrainConfig, plan: Plan, rank: int, world: int, init: str,
         out.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
     finally:
         if worker is not None:
-            try:
+            with contextlib.suppress(Exception):
                 worker.close()
-            except Exception:
-                pass
 
 
 def _context() -> Any:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from chimera.data import build_dataset
 from chimera.models import StageModule, build_stage
 from chimera.optim import build_optimizer, clip_grad_norm_global, warmup_decay_schedule
-from chimera.runtime.comm import Communicator, GradBuckets, StallError
+from chimera.runtime.comm import Communicator, GradBuckets
 from chimera.runtime.config import Plan, TrainConfig
 from chimera.schedule import Action, Kind
 from chimera.timeline import Event
@@ -95,7 +95,7 @@ class PipelineWorker:
         self.tied: list[torch.nn.Parameter] = []
         if tied_ranks:
             for (li, pi), (lj, pj) in model.tied_parameters():
-                for (_, s), mod in self.stages.items():
+                for mod in self.stages.values():
                     for layer_idx, name in ((li, pi), (lj, pj)):
                         if layer_idx in mod.indices:
                             self.tied.append(mod.layers[mod.indices.index(layer_idx)].get_parameter(name))
