@@ -139,7 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("-o", "--output", required=True, help="output file (.png/.pdf; no suffix: both)")
         p.set_defaults(func=func)
+    train = sub.add_parser("train", help="train on Ray (same flags as scripts/prof_steps_ray.py)")
+    from chimera.runtime.config import add_train_args
+
+    add_train_args(train)
+    train.add_argument("--address", default=None, help="Ray cluster to join ('auto'); default: start a local Ray")
+    train.add_argument("--out", default=None, help="JSONL metrics file (default: profiles/<run name>.metrics.jsonl)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=cmd_train)
     return parser
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ray_launch.driver import run_from_args  # Ray is imported only for this command
+
+    return run_from_args(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,51 @@
+"""The Ray actor that hosts one pipeline worker (one GPU, or one CPU slot)."""
+
+from __future__ import annotations
+
+import io
+import socket
+from typing import Any
+
+import ray
+import torch
+
+from chimera.runtime import PipelineWorker, Plan, StepResult, TrainConfig
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class WorkerActor:
+    """Wraps :class:`chimera.runtime.PipelineWorker`; the driver calls setup, then step per iteration."""
+
+    def __init__(self) -> None:
+        self.worker: PipelineWorker | None = None
+
+    def rendezvous_address(self, loopback: bool) -> tuple[str, int]:
+        """This node's address and a free TCP port for torch.distributed's rendezvous (called on rank 0)."""
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def setup(self, cfg: TrainConfig, plan: Plan, rank: int, world: int, init_method: str) -> dict[str, Any]:
+        self.worker = PipelineWorker(cfg, rank, world, init_method, plan)
+        info = self.worker.setup()
+        info["node_id"] = self.node_id()
+        return info
+
+    def step(self, step: int) -> StepResult:
+        assert self.worker is not None, "setup() first"
+        return self.worker.train_step(step)
+
+    def state(self) -> bytes:
+        """Every stage replica's parameters (torch.save bytes), for parity checks."""
+        assert self.worker is not None
+        buf = io.BytesIO()
+        torch.save(self.worker.state(), buf)
+        return buf.getvalue()
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()

@@ -1,0 +1,231 @@
+"""The Ray driver: start or join Ray, place one actor per worker, rendezvous, train, report, clean up.
+
+Usage::
+
+    python scripts/prof_steps_ray.py --model bert-mini --schedule chimera --stages 4 --micro-batches 4
+    # or from Python
+    from ray_launch.driver import run
+    metrics = run(TrainConfig(...), out="profiles/run.jsonl")
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tqdm import tqdm
+
+from chimera.runtime import ConfigError, Plan, TrainConfig, add_train_args, config_from_args, summarize_step
+from chimera.runtime.launch import WorkerError
+from ray_launch.actor import WorkerActor
+
+
+class RunError(RuntimeError):
+    """The run failed; the message names the worker and what it was doing."""
+
+
+def _bundle(cfg: TrainConfig) -> dict[str, float]:
+    return {"CPU": 1.0, "GPU": 1.0} if cfg.device == "cuda" else {"CPU": 1.0}
+
+
+def _gather(refs: Sequence[Any], what: str, timeout_s: float) -> list[Any]:
+    """ray.get with a deadline; the first failure is reported with the rank that raised it."""
+    rank_of = {ref: r for r, ref in enumerate(refs)}
+    pending = list(refs)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            ranks = sorted(rank_of[r] for r in pending)
+            raise RunError(f"{what}: worker(s) {ranks} gave no answer within {timeout_s:g} s")
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayTaskError as e:
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                raise RunError(f"worker {rank_of[ref]} failed in {what}: {type(cause).__name__}: {cause}") from None
+            except RayActorError as e:
+                raise RunError(f"worker {rank_of[ref]} died in {what}: {e}") from None
+    return ray.get(list(refs))
+
+
+class RayJob:
+    """One training job on Ray; use as a context manager so everything it started is stopped."""
+
+    def __init__(self, cfg: TrainConfig, address: str | None = None, connect_timeout_s: float = 60.0) -> None:
+        self.cfg = cfg
+        self.plan: Plan = cfg.check()  # every configuration error surfaces here, before Ray or any actor
+        self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self.started_ray = False
+        self.pg = None
+        self.actors: list[Any] = []
+        self.infos: list[dict[str, Any]] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self) -> RayJob:
+        try:
+            self._connect()
+            self._place()
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _connect(self) -> None:
+        world = self.plan.world_size
+        if ray.is_initialized():
+            return
+        if self.address:
+            try:
+                ray.init(address=self.address, log_to_driver=True)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise RunError(f"cannot connect to the Ray cluster at --address {self.address}: "
+                               f"{str(e).splitlines()[0]} (start one with `ray start --head` or omit --address "
+                               "to run on a local Ray)") from None
+        else:
+            ray.init(address="local", num_cpus=max(world, os.cpu_count() or 1), include_dashboard=False,
+                     _node_ip_address="127.0.0.1", log_to_driver=True)
+            self.started_ray = True
+
+    def _place(self) -> None:
+        world = self.plan.world_size
+        bundle = _bundle(self.cfg)
+        have = ray.cluster_resources()
+        for res, amount in bundle.items():
+            if have.get(res, 0) < amount * world:
+                raise RunError(f"the Ray cluster has {have.get(res, 0):g} {res} but {world} workers need "
+                               f"{amount * world:g}; lower --stages/--data-parallel or add nodes")
+        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=self.connect_timeout_s)
+        except GetTimeoutError:
+            raise RunError(f"could not reserve {world} x {bundle} within {self.connect_timeout_s:g} s "
+                           f"(available now: {ray.available_resources()})") from None
+        self.actors = [
+            WorkerActor.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+            ).remote()
+            for r in range(world)
+        ]
+
+    def _setup(self) -> None:
+        cfg, world = self.cfg, self.plan.world_size
+        host, port = _gather([self.actors[0].rendezvous_address.remote(self.started_ray)], "rendezvous",
+                             self.connect_timeout_s)[0]
+        init = f"tcp://{host}:{port}"
+        refs = [a.setup.remote(cfg, self.plan, r, world, init) for r, a in enumerate(self.actors)]
+        self.infos = _gather(refs, "setup", cfg.timeout_s + self.connect_timeout_s)
+
+    def close(self) -> None:
+        """Stop the actors, free the placement group, and shut Ray down if this job started it."""
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self.actors = []
+        if self.pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.pg)
+            self.pg = None
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+            self.started_ray = False
+
+    # -- training ----------------------------------------------------------------------------------
+    def step(self, step: int) -> dict[str, Any]:
+        """Run one step on every worker; return the metrics record."""
+        cfg = self.cfg
+        limit = cfg.timeout_s * 5 + 60
+        results = _gather([a.step.remote(step) for a in self.actors], f"step {step}", limit)
+        try:
+            return summarize_step(cfg, self.plan, results) | {"_results": results}
+        except WorkerError as e:
+            raise RunError(str(e)) from None
+
+    def states(self) -> list[dict[tuple[str, int], dict[str, torch.Tensor]]]:
+        """Every rank's stage parameters (CPU tensors)."""
+        blobs = _gather([a.state.remote() for a in self.actors], "state", self.cfg.timeout_s)
+        return [torch.load(io.BytesIO(b)) for b in blobs]
+
+
+def run(cfg: TrainConfig, *, address: str | None = None, out: str | Path | None = None,
+        progress: bool = True) -> list[dict[str, Any]]:
+    """Train ``cfg.steps`` steps on Ray; write JSONL metrics to ``out``; return the records."""
+    records: list[dict[str, Any]] = []
+    out_file = None
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        out_file = open(out, "w")  # noqa: SIM115 - closed in finally
+    try:
+        with RayJob(cfg, address) as job:
+            bar = tqdm(range(cfg.steps), desc=cfg.run_name, disable=not progress, unit="step", dynamic_ncols=True)
+            for step in bar:
+                rec = job.step(step)
+                rec.pop("_results")
+                records.append(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_s=f"{rec['samples_per_s']:.1f}")
+                if out_file:
+                    out_file.write(json.dumps(rec) + "\n")
+                    out_file.flush()
+    finally:
+        if out_file:
+            out_file.close()
+    return records
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Train a model with a Chimera / 1F1B / GPipe pipeline on Ray.")
+    add_train_args(p)
+    p.add_argument("--address", default=None, help="Ray cluster to join ('auto'); default: start a local Ray")
+    p.add_argument("--out", default=None, help="JSONL metrics file (default: profiles/<run name>.metrics.jsonl)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    """Run from parsed flags; configuration errors: one line, exit code 2."""
+    try:
+        cfg = config_from_args(ns)
+        cfg.check()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = ns.out or f"profiles/{cfg.run_name}.metrics.jsonl"
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        records = run(cfg, address=ns.address, out=out, progress=not ns.no_progress)
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: all actors stopped", file=sys.stderr)
+        return 130
+    last = records[-1]
+    print(f"{cfg.run_name}: {len(records)} steps, final loss {last['loss']:.4f}, "
+          f"{last['samples_per_s']:.1f} samples/s; metrics in {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_from_args(build_parser().parse_args(argv))

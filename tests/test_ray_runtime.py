@@ -1,0 +1,90 @@
+"""The same worker runtime under Ray actors: parity, failure reporting, clean-up, refusal before start."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from chimera.runtime import ConfigError, TrainConfig, stage_params_by_layer, train_sequential
+from ray_launch.driver import RayJob, RunError, run
+from tests.conftest import alive_actors
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[1]
+BASE = TrainConfig(model="bert-tiny", micro_batch_size=2, seq_len=16, steps=3, optimizer="adamw", timeout_s=60,
+                   check_replicas=True)
+
+
+def _wait_no_actors(ray, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while alive_actors(ray) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive_actors(ray)
+
+
+def test_chimera_on_ray_equals_sequential(ray_session, tmp_path):
+    cfg = BASE.replace(schedule="chimera", stages=4, micro_batches=4, model="gpt2-tiny")
+    with RayJob(cfg) as job:
+        records = [job.step(s) for s in range(cfg.steps)]
+        states = job.states()
+        nodes = {i["node_id"] for i in job.infos}
+    ref_losses, ref = train_sequential(cfg)
+    for rec, r in zip(records, ref_losses):
+        assert abs(rec["loss"] - r) <= 1e-6
+    plan = cfg.check()
+    for state in states:
+        for (_, stage), params in state.items():
+            for k, v in stage_params_by_layer(params, plan.stage_layers[stage]).items():
+                assert (v - ref[k]).abs().max().item() <= 1e-5
+    assert len(states) == 4 and len(nodes) == 1
+    assert _wait_no_actors(ray_session) == []
+
+
+def test_run_writes_jsonl_metrics(ray_session, tmp_path):
+    out = tmp_path / "m.jsonl"
+    records = run(BASE.replace(schedule="1f1b", stages=2, micro_batches=2, steps=2), out=out, progress=False)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines == records and [r["step"] for r in lines] == [0, 1]
+    assert {"step", "loss", "step_time_s", "samples_per_s"} <= set(lines[0])
+    assert _wait_no_actors(ray_session) == []
+
+
+def test_stalled_worker_is_named_and_actors_are_gone(ray_session):
+    cfg = BASE.replace(schedule="chimera", stages=2, micro_batches=2, steps=1, timeout_s=3, debug_stall=(1, 30.0))
+    t0 = time.monotonic()
+    with pytest.raises(RunError) as e:
+        run(cfg, progress=False)
+    msg = str(e.value)
+    assert "worker 0" in msg and "stalled" in msg and "micro-batch" in msg and "RECV" in msg
+    assert time.monotonic() - t0 < 60
+    assert _wait_no_actors(ray_session) == []
+
+
+def test_invalid_config_refused_before_any_actor(ray_session):
+    before = len(alive_actors(ray_session))
+    with pytest.raises(ConfigError, match="even number"):
+        run(BASE.replace(schedule="chimera", stages=3, micro_batches=3), progress=False)
+    assert len(alive_actors(ray_session)) == before
+
+
+def test_too_few_resources_is_a_clear_error(ray_session):
+    with pytest.raises(RunError, match="cluster has .* CPU but 16 workers need"):
+        run(BASE.replace(schedule="1f1b", stages=4, micro_batches=4, data_parallel=4, model="gpt2-tiny"),
+            progress=False)
+    assert _wait_no_actors(ray_session) == []
+
+
+@pytest.mark.slow
+def test_default_script_runs_and_bad_flags_exit_2(tmp_path):
+    out = tmp_path / "default.jsonl"
+    p = subprocess.run([sys.executable, "scripts/prof_steps_ray.py", "--steps", "2", "--out", str(out),
+                        "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert len(out.read_text().splitlines()) == 2
+    p = subprocess.run([sys.executable, "scripts/prof_steps_ray.py", "--stages", "3"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "even number of --stages" in p.stderr and "Traceback" not in p.stderr
+    assert "Started a local Ray" not in p.stderr  # refused before Ray started
