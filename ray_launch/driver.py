@@ -139,10 +139,8 @@ class RayJob:
     def close(self) -> None:
         """Stop the actors, free the placement group, and shut Ray down if this job started it."""
         for a in self.actors:
-            try:
+            with contextlib.suppress(Exception):  # already dead
                 ray.kill(a, no_restart=True)
-            except Exception:  # already dead
-                pass
         self.actors = []
         if self.pg is not None:
             with contextlib.suppress(Exception):
