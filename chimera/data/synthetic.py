@@ -68,6 +68,18 @@ class SyntheticGPT2Dataset(AddressedDataset):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, {"labels": ids.clone()}
 
 
+class SyntheticRegressionDataset(AddressedDataset):
+    """Random ``x`` and ``y`` of shape ``[B, hidden]`` (for the delay model)."""
+
+    def __init__(self, hidden: int, micro_batch_size: int, seed: int = 0) -> None:
+        super().__init__(0, 1, micro_batch_size, seed)
+        self.hidden = hidden
+
+    def _sample(self, gen: torch.Generator) -> tuple[Batch, Batch]:
+        shape = (self.micro_batch_size, self.hidden)
+        return {"x": torch.randn(shape, generator=gen)}, {"y": torch.randn(shape, generator=gen)}
+
+
 def build_dataset(
     model: LayeredModel, micro_batch_size: int, seq_len: int | None = None, seed: int = 0
 ) -> AddressedDataset:
@@ -77,4 +89,6 @@ def build_dataset(
         return SyntheticBertDataset(model.vocab_size, seq_len, micro_batch_size, seed)
     if model.family == "gpt2":
         return SyntheticGPT2Dataset(model.vocab_size, seq_len, micro_batch_size, seed)
-    raise ValueError(f"no synthetic dataset for model family {model.family!r}; known: bert, gpt2")
+    if model.family == "delay":
+        return SyntheticRegressionDataset(model.hidden_size, micro_batch_size, seed)
+    raise ValueError(f"no synthetic dataset for model family {model.family!r}; known: bert, gpt2, delay")

@@ -14,6 +14,7 @@ from transformers import BertConfig, GPT2Config
 
 from chimera.models.base import LayeredModel
 from chimera.models.bert import BertPretraining
+from chimera.models.delay import DelayConfig, DelayModel
 from chimera.models.gpt2 import GPT2LM
 
 _BERT_DETERMINISTIC = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
@@ -73,11 +74,14 @@ PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
     "gpt2-tiny": _gpt2(4, 128, 4, vocab=8192, positions=256, seq_len=64),
     "gpt2-small": _gpt2(12, 768, 12),
     "gpt2-1.3b": _gpt2(64, 1280, 20, seq_len=632),
+    # sleeps instead of computing: for measuring schedules (override num_blocks=D, fwd_s=seconds)
+    "delay": lambda: {"family": "delay", "seq_len": 1, "config": {"num_blocks": 4, "hidden_size": 16, "fwd_s": 0.05}},
 }
 
 _FAMILIES: dict[str, tuple[type, type[LayeredModel]]] = {
     "bert": (BertConfig, BertPretraining),
     "gpt2": (GPT2Config, GPT2LM),
+    "delay": (DelayConfig, DelayModel),
 }
 
 

@@ -1,0 +1,42 @@
+"""Measured figures from timeline events: per-step makespan, busy time and bubble fraction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from chimera.timeline.events import Event
+
+COMPUTE = ("F", "B")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One iteration as measured: makespan (first start to last end, all workers) and busy time per worker."""
+
+    iteration: int
+    makespan: float
+    busy: dict[int, float]
+
+    @property
+    def bubble(self) -> float:
+        """``1 - sum(busy) / (workers * makespan)``, the same definition as the simulator's."""
+        return 1.0 - sum(self.busy.values()) / (len(self.busy) * self.makespan) if self.makespan > 0 else 0.0
+
+
+def step_stats(events: Iterable[Event], workers: Iterable[int] | None = None) -> list[StepStats]:
+    """Group events by iteration and compute :class:`StepStats` for each (workers default: those present)."""
+    by_iter: dict[int, list[Event]] = {}
+    for e in events:
+        by_iter.setdefault(e.iteration, []).append(e)
+    out = []
+    for it in sorted(by_iter):
+        evs = by_iter[it]
+        ws = sorted(set(workers) if workers is not None else {e.worker for e in evs})
+        busy = {w: 0.0 for w in ws}
+        for e in evs:
+            if e.kind in COMPUTE and e.worker in busy:
+                busy[e.worker] += e.duration
+        makespan = max(e.end for e in evs) - min(e.start for e in evs)
+        out.append(StepStats(it, makespan, busy))
+    return out
