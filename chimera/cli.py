@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("-o", "--output", required=True, help="output file (.png/.pdf; no suffix: both)")
         p.set_defaults(func=func)
+    tl = sub.add_parser("timeline", help="timeline outputs of profiled runs")
+    tsub = tl.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    tplot = tsub.add_parser("plot", help="rebuild trace, figure and summary of profiles/NAME.events.json")
+    tplot.add_argument("name", help="run name (or path to NAME.events.json)")
+    tplot.add_argument("--dir", default="profiles", help="folder of the profile files")
+    tplot.add_argument("--sqlite", default=None, help="Nsight SQLite export: use GPU kernel times of the NVTX ranges")
+    tplot.set_defaults(func=cmd_timeline_plot)
     train = sub.add_parser("train", help="train on Ray (same flags as scripts/prof_steps_ray.py)")
     from chimera.runtime.config import add_train_args
 
@@ -148,6 +155,25 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=cmd_train)
     return parser
+
+
+def cmd_timeline_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from chimera.timeline.nsight import events_from_nsys_sqlite
+    from chimera.timeline.report import render
+
+    path = Path(args.name) if args.name.endswith(".events.json") else Path(args.dir) / f"{args.name}.events.json"
+    if not path.is_file():
+        raise UsageError(f"no saved events at {path}; profile a run with --profile first")
+    try:
+        events = events_from_nsys_sqlite(args.sqlite) if args.sqlite else None
+        paths = render(path, events=events)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    for p in paths.values():
+        print(p)
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:

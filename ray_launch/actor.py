@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import socket
+import time
 from typing import Any
 
 import ray
@@ -25,6 +26,10 @@ class WorkerActor:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             return host, s.getsockname()[1]
+
+    def clock(self) -> float:
+        """This worker's monotonic clock (the clock of its timeline events on CPU)."""
+        return time.perf_counter()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

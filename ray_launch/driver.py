@@ -15,10 +15,12 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,8 @@ from tqdm import tqdm
 
 from chimera.runtime import ConfigError, Plan, TrainConfig, add_train_args, config_from_args, summarize_step
 from chimera.runtime.launch import WorkerError
+from chimera.timeline import Event
+from chimera.timeline.report import write_profile
 from ray_launch.actor import WorkerActor
 
 
@@ -69,12 +73,18 @@ class RayJob:
     def __init__(self, cfg: TrainConfig, address: str | None = None, connect_timeout_s: float = 60.0) -> None:
         self.cfg = cfg
         self.plan: Plan = cfg.check()  # every configuration error surfaces here, before Ray or any actor
+        if cfg.nsys and shutil.which("nsys") is None:
+            raise ConfigError("--nsys needs Nsight Systems' `nsys` on PATH, and it is not there; install Nsight "
+                              "Systems (https://developer.nvidia.com/nsight-systems) or drop --nsys")
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.started_ray = False
         self.pg = None
         self.actors: list[Any] = []
         self.infos: list[dict[str, Any]] = []
+        self.clock_offsets: list[float] = []
+        self.clock_uncertainty: list[float] = []
+        self.profile_dir = Path("profiles").resolve()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> RayJob:
@@ -120,10 +130,17 @@ class RayJob:
         except GetTimeoutError:
             raise RunError(f"could not reserve {world} x {bundle} within {self.connect_timeout_s:g} s "
                            f"(available now: {ray.available_resources()})") from None
+        options: dict[str, Any] = {}
+        if self.cfg.nsys:
+            self.profile_dir.mkdir(parents=True, exist_ok=True)
+            options["runtime_env"] = {"nsight": {
+                "t": "cuda,cudnn,cublas,nvtx", "stop-on-exit": "true",
+                "o": str(self.profile_dir / f"{self.cfg.run_name}_worker_%p")}}
         self.actors = [
             WorkerActor.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                **options,
             ).remote()
             for r in range(world)
         ]
@@ -135,6 +152,29 @@ class RayJob:
         init = f"tcp://{host}:{port}"
         refs = [a.setup.remote(cfg, self.plan, r, world, init) for r, a in enumerate(self.actors)]
         self.infos = _gather(refs, "setup", cfg.timeout_s + self.connect_timeout_s)
+        if cfg.profile:
+            self._measure_clocks()
+
+    def _measure_clocks(self, samples: int = 7) -> None:
+        """Offset of every worker's monotonic clock from the driver's, and its uncertainty (half the best RTT).
+
+        Workers on the driver's node share its CLOCK_MONOTONIC: offset 0, uncertainty 0.
+        """
+        here = ray.get_runtime_context().get_node_id()
+        self.clock_offsets, self.clock_uncertainty = [], []
+        for actor, info in zip(self.actors, self.infos):
+            if info["node_id"] == here:
+                self.clock_offsets.append(0.0)
+                self.clock_uncertainty.append(0.0)
+                continue
+            best = (float("inf"), 0.0)
+            for _ in range(samples):
+                t0 = time.perf_counter()
+                tw = ray.get(actor.clock.remote(), timeout=self.cfg.timeout_s)
+                t1 = time.perf_counter()
+                best = min(best, (t1 - t0, tw - (t0 + t1) / 2))
+            self.clock_offsets.append(best[1])
+            self.clock_uncertainty.append(best[0] / 2)
 
     def close(self) -> None:
         """Stop the actors, free the placement group, and shut Ray down if this job started it."""
@@ -171,6 +211,7 @@ def run(cfg: TrainConfig, *, address: str | None = None, out: str | Path | None 
         progress: bool = True) -> list[dict[str, Any]]:
     """Train ``cfg.steps`` steps on Ray; write JSONL metrics to ``out``; return the records."""
     records: list[dict[str, Any]] = []
+    events: list[Event] = []
     out_file = None
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -180,12 +221,25 @@ def run(cfg: TrainConfig, *, address: str | None = None, out: str | Path | None 
             bar = tqdm(range(cfg.steps), desc=cfg.run_name, disable=not progress, unit="step", dynamic_ncols=True)
             for step in bar:
                 rec = job.step(step)
-                rec.pop("_results")
+                for r in rec.pop("_results"):
+                    off = job.clock_offsets[r.rank] if job.clock_offsets else 0.0
+                    events += [replace(e, start=e.start - off, end=e.end - off) for e in r.events]
                 records.append(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_s=f"{rec['samples_per_s']:.1f}")
                 if out_file:
                     out_file.write(json.dumps(rec) + "\n")
                     out_file.flush()
+            if cfg.profile:
+                meta = {"model": cfg.model, "schedule": cfg.schedule, "stages": cfg.stages,
+                        "micro_batches": cfg.micro_batches, "micro_batch_size": cfg.micro_batch_size,
+                        "data_parallel": cfg.data_parallel, "device": cfg.device, "comm_payload": cfg.comm_payload,
+                        "training_result": cfg.is_training_result, "profile_steps": sorted({e.iteration for e in events}),
+                        "clock_offsets_s": job.clock_offsets, "clock_uncertainty_s": job.clock_uncertainty,
+                        "clock": "CUDA events" if cfg.device == "cuda" else "CLOCK_MONOTONIC"}
+                paths = write_profile(cfg.run_name, events, job.plan.schedule, job.plan.world_size, meta,
+                                      job.profile_dir)
+                if progress:
+                    print("profile: " + " ".join(str(p) for p in paths.values()))
     finally:
         if out_file:
             out_file.close()
@@ -213,6 +267,9 @@ def run_from_args(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         records = run(cfg, address=ns.address, out=out, progress=not ns.no_progress)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -220,8 +277,9 @@ def run_from_args(ns: argparse.Namespace) -> int:
         print("interrupted: all actors stopped", file=sys.stderr)
         return 130
     last = records[-1]
+    note = "" if cfg.is_training_result else " [single-byte payload: NOT a training result]"
     print(f"{cfg.run_name}: {len(records)} steps, final loss {last['loss']:.4f}, "
-          f"{last['samples_per_s']:.1f} samples/s; metrics in {out}")
+          f"{last['samples_per_s']:.1f} samples/s; metrics in {out}{note}")
     return 0
 
 

@@ -11,11 +11,17 @@ Process groups (created in the same order on every rank):
 
 Every wait has a deadline; a stall raises :class:`StallError` naming the worker, the action and the
 micro-batch.
+
+Payload modes: ``full`` (training) or ``single-byte`` (profiling compute alone): every p2p message and
+every allreduce carries one byte; a receiver zero-fills its buffer and allreduced tensors keep their local
+values, so results of such a run are not training results. The communicator counts the bytes of every
+message and allreduce it sends (:meth:`Communicator.payload_sizes`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -30,11 +36,18 @@ class StallError(RuntimeError):
     """A blocking wait ran past the timeout."""
 
 
+PAYLOADS = ("full", "single-byte")
+
+
 class Communicator:
     """Process groups and timed waits for one rank of a pipeline job."""
 
     def __init__(self, schedule: Schedule, rank: int, tied_ranks: Sequence[int] = (), timeout_s: float = 120.0,
-                 worker_name: str = "") -> None:
+                 worker_name: str = "", payload: str = "full") -> None:
+        if payload not in PAYLOADS:
+            raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
+        self.single_byte = payload == "single-byte"
+        self._sizes: Counter[int] = Counter()
         self.schedule = schedule
         self.rank = rank
         self.timeout_s = timeout_s
@@ -59,8 +72,30 @@ class Communicator:
         """Global rank of ``worker`` in this rank's data-parallel group."""
         return (self.rank // self.schedule.workers) * self.schedule.workers + worker
 
+    def start_step(self) -> None:
+        """Reset the per-step payload counter."""
+        self._sizes.clear()
+
+    def payload_sizes(self) -> dict[int, int]:
+        """Bytes per message or allreduce sent by this rank in the current step -> count."""
+        return dict(self._sizes)
+
+    def _payload(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(1, dtype=torch.uint8, device=t.device) if self.single_byte else t
+
     def post(self, ops: list[tuple[str, bool, torch.Tensor, int]]) -> list[dist.Work]:
-        """Post one communication batch: ``(pipe, is_send, tensor, peer_rank)`` items; returns works in order."""
+        """Post one communication batch: ``(pipe, is_send, tensor, peer_rank)`` items; returns works in order.
+
+        In single-byte mode a receive's buffer is zero-filled and one byte travels instead.
+        """
+        if self.single_byte:
+            for _, is_send, t, _ in ops:
+                if not is_send:
+                    t.zero_()
+            ops = [(pipe, is_send, self._payload(t), peer) for pipe, is_send, t, peer in ops]
+        for _, is_send, t, _ in ops:
+            if is_send:
+                self._sizes[t.numel() * t.element_size()] += 1
         works: list[dist.Work] = [None] * len(ops)  # type: ignore[list-item]
         by_pipe: dict[str, list[int]] = {}
         for i, (pipe, _, _, _) in enumerate(ops):
@@ -71,6 +106,18 @@ class Communicator:
             for i, w in zip(idx, dist.batch_isend_irecv(p2p)):
                 works[i] = w
         return works
+
+    def allreduce_async(self, t: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, dist.Work]:
+        """Start a SUM allreduce of ``t`` (one byte in single-byte mode); returns (result tensor, work)."""
+        buf = self._payload(t)
+        self._sizes[buf.numel() * buf.element_size()] += 1
+        return t, dist.all_reduce(buf, group=group, async_op=True)
+
+    def allreduce(self, t: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> torch.Tensor:
+        """SUM-allreduce ``t`` in place with the timeout; returns ``t``."""
+        t, work = self.allreduce_async(t, group)
+        self.wait(work, what)
+        return t
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for ``work`` at most ``timeout_s``; raise :class:`StallError` describing ``what``."""
@@ -95,9 +142,10 @@ class Communicator:
 class GradBuckets:
     """Bucketed, asynchronous SUM-allreduce of a set of parameters' gradients over one group."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None,
+    def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None, comm: Communicator,
                  bucket_bytes: int = 25 * 2**20) -> None:
         self.group = group
+        self.comm = comm
         self.buckets: list[list[torch.nn.Parameter]] = []
         size = 0
         for p in params:
@@ -113,12 +161,13 @@ class GradBuckets:
         for bucket in self.buckets:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
             flat = _flatten_dense_tensors(grads)
-            self._pending.append((bucket, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+            flat, work = self.comm.allreduce_async(flat, self.group)
+            self._pending.append((bucket, flat, work))
 
-    def wait(self, comm: Communicator, what: str) -> None:
+    def wait(self, what: str) -> None:
         """Wait for the allreduces and write the summed gradients back."""
         for bucket, flat, work in self._pending:
-            comm.wait(work, what)
+            self.comm.wait(work, what)
             for p, g in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 if p.grad is None:
                     p.grad = g.clone()

@@ -66,9 +66,21 @@ class TrainConfig:
     timeout_s: float = 120.0
     threads: int | None = None
     profile: bool = False
+    profile_steps: tuple[int, ...] = ()
+    nsys: bool = False
+    comm_payload: str = "full"
     check_replicas: bool = False
     model_overrides: dict[str, Any] = field(default_factory=dict)
     debug_stall: tuple[int, float] | None = None  # (worker rank, seconds): fault injection for timeout tests
+
+    def profiles(self, step: int) -> bool:
+        """Whether ``step`` records timeline events (``--profile``; all steps unless ``--profile-steps``)."""
+        return self.profile and (not self.profile_steps or step in self.profile_steps)
+
+    @property
+    def is_training_result(self) -> bool:
+        """False in single-byte mode: messages and allreduces carry one byte, the numbers are not training."""
+        return self.comm_payload == "full"
 
     def replace(self, **kw: Any) -> TrainConfig:
         return dataclasses.replace(self, **kw)
@@ -96,6 +108,11 @@ class TrainConfig:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         if self.clip_grad < 0:
             raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+        if self.comm_payload not in ("full", "single-byte"):
+            raise ConfigError(f"--comm-payload must be 'full' or 'single-byte', got {self.comm_payload!r}")
+        bad = [s for s in self.profile_steps if not 0 <= s < self.steps]
+        if bad:
+            raise ConfigError(f"--profile-steps {bad} are outside 0..{self.steps - 1}; raise --steps or pick other steps")
         if self.mode != "direct":
             raise ConfigError(
                 f"--mode {self.mode}: the runtime executes Chimera with direct concatenation; forward doubling and "
@@ -159,9 +176,21 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", dest="timeout_s", type=float, default=d.timeout_s,
                    help="seconds any blocking wait may take before the run fails")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
-    p.add_argument("--profile", action="store_true", help="record per-action timeline events")
+    p.add_argument("--profile", action="store_true", help="record per-action timeline events and write "
+                   "profiles/NAME.{trace.json,png,pdf,json}")
+    p.add_argument("--profile-steps", type=_steps, default=(), help="steps to record, e.g. 5,6,7 (default: all)")
+    p.add_argument("--nsys", action="store_true", help="run the workers under Nsight Systems (nsys on PATH)")
+    p.add_argument("--comm-payload", default="full", choices=("full", "single-byte"),
+                   help="single-byte: every message/allreduce carries 1 byte (compute-only timelines; not training)")
     p.add_argument("--check-replicas", action="store_true",
                    help="after every step, verify that all replicas of each stage are bitwise identical")
+
+
+def _steps(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected step numbers like 5,6,7, got {text!r}") from None
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:

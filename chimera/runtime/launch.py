@@ -43,6 +43,10 @@ def summarize_step(cfg: TrainConfig, plan: Plan, results: list[StepResult]) -> d
     count = sum(r.loss_count for r in results)
     step_time = max(r.step_time_s for r in results)
     samples = cfg.micro_batches * cfg.micro_batch_size * cfg.data_parallel
+    payloads: dict[int, int] = {}
+    for r in results:
+        for size, n in r.payloads.items():
+            payloads[size] = payloads.get(size, 0) + n
     return {
         "step": results[0].step,
         "loss": sum(r.loss_sum for r in results) / max(1, count),
@@ -50,6 +54,11 @@ def summarize_step(cfg: TrainConfig, plan: Plan, results: list[StepResult]) -> d
         "samples_per_s": samples / step_time if step_time > 0 else float("inf"),
         "grad_norm": max(r.grad_norm for r in results),
         "microbatch_losses": count,
+        "comm_payload": cfg.comm_payload,
+        "training_result": cfg.is_training_result,
+        "comm_bytes": sum(size * n for size, n in payloads.items()),
+        "comm_messages": sum(payloads.values()),
+        "payload_sizes": {str(k): v for k, v in sorted(payloads.items())},
     }
 
 

@@ -33,6 +33,7 @@ from chimera.runtime.comm import Communicator, GradBuckets
 from chimera.runtime.config import Plan, TrainConfig
 from chimera.schedule import Action, Kind
 from chimera.timeline import Event
+from chimera.timeline.recorder import EventRecorder
 
 
 @dataclass
@@ -47,6 +48,7 @@ class StepResult:
     grad_norm: float
     events: list[Event] = field(default_factory=list)
     digests: dict[tuple[str, int], str] = field(default_factory=dict)
+    payloads: dict[int, int] = field(default_factory=dict)  # bytes per message/allreduce -> how many
 
 
 class PipelineWorker:
@@ -87,7 +89,9 @@ class PipelineWorker:
         tied_ranks: list[int] = []
         if model.tied_parameters() and sched.stages > 1:
             tied_ranks = sorted(set(sched.stage_group(first)) | set(sched.stage_group(last)))
-        self.comm = Communicator(sched, self.rank, tied_ranks, cfg.timeout_s, self.name)
+        self.comm = Communicator(sched, self.rank, tied_ranks, cfg.timeout_s, self.name, cfg.comm_payload)
+        self.recorder = (EventRecorder(self.rank, self.device, sched.bidirectional)
+                         if cfg.profile or cfg.nsys else None)
         self.stages: dict[tuple[str, int], StageModule] = {}
         for pipe, s in sched.stages_of(self.worker):
             self.stages[(pipe, s)] = build_stage(model, self.plan.stage_layers[s], cfg.seed, device=self.device)
@@ -104,7 +108,7 @@ class PipelineWorker:
         for (pipe, s), mod in self.stages.items():
             if s in self.comm.stage_groups:
                 params = [p for p in _unique(mod.parameters()) if id(p) not in tied_ids]
-                self.buckets[(pipe, s)] = GradBuckets(params, self.comm.stage_groups[s])
+                self.buckets[(pipe, s)] = GradBuckets(params, self.comm.stage_groups[s], self.comm)
         self.params = _unique(p for mod in self.stages.values() for p in mod.parameters())
         self.optimizer = build_optimizer(self.params, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.lr_schedule = warmup_decay_schedule(self.optimizer, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps),
@@ -153,29 +157,32 @@ class PipelineWorker:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.loss_count = 0
         self.grad_norm = 0.0
-        events: list[Event] = []
-        profile = self.cfg.profile
+        rec = self.recorder if (self.recorder and self.cfg.profiles(step)) else None
+        if rec:
+            rec.start_step(step)
+        self.comm.start_step()
         acts = self.actions
         i = 0
         while i < len(acts):
             a = acts[i]
             j = i + 1
-            t0 = time.perf_counter() if profile else 0.0
             if a.kind.is_p2p:
                 while j < len(acts) and acts[j].kind.is_p2p:
                     j += 1
+            mark = rec.begin(acts[i:j]) if rec else None
+            if j > i + 1 or a.kind.is_p2p:
                 self._comm_batch(acts[i:j])
             else:
                 self._run(a)
-            if profile:
-                t1 = time.perf_counter()
-                events.extend(Event(self.rank, b.kind.value, b.pipe, b.stage, b.microbatch, t0, t1, step, b.count)
-                              for b in acts[i:j])
+            if rec:
+                rec.end(acts[i:j], mark)
             i = j
+        events = rec.finish() if rec else []
         loss_sum = float(self.loss_sum)
         elapsed = time.perf_counter() - t_start
         digests = self.digests() if self.cfg.check_replicas else {}
-        return StepResult(step, self.rank, loss_sum, self.loss_count, elapsed, self.grad_norm, events, digests)
+        return StepResult(step, self.rank, loss_sum, self.loss_count, elapsed, self.grad_norm, events, digests,
+                          self.comm.payload_sizes())
 
     def _run(self, a: Action) -> None:
         if a.kind is Kind.F:
@@ -185,7 +192,7 @@ class PipelineWorker:
         elif a.kind is Kind.ALLREDUCE_START:
             self.buckets[(a.pipe, a.stage)].start()
         elif a.kind is Kind.ALLREDUCE_WAIT:
-            self.buckets[(a.pipe, a.stage)].wait(self.comm, f"gradient allreduce of stage {a.stage} ({a.text()})")
+            self.buckets[(a.pipe, a.stage)].wait(f"gradient allreduce of stage {a.stage} ({a.text()})")
         elif a.kind is Kind.OPTIMIZER_STEP:
             self._optimizer_step()
         else:  # pragma: no cover - the schedule was validated
@@ -316,15 +323,12 @@ class PipelineWorker:
                 p.grad = torch.zeros_like(p)
         if self.tied:
             total = torch.stack([p.grad for p in self.tied]).sum(0)
-            work = dist.all_reduce(total, group=self.comm.tied_group, async_op=True)
-            self.comm.wait(work, f"tied-weight gradient sum in step {self.step}")
+            total = self.comm.allreduce(total, self.comm.tied_group, f"tied-weight gradient sum in step {self.step}")
             for p in self.tied:
                 p.grad.copy_(total)
         if self.cfg.clip_grad > 0:
             def allreduce(sq: torch.Tensor) -> torch.Tensor:
-                work = dist.all_reduce(sq, async_op=True)
-                self.comm.wait(work, f"global gradient norm in step {self.step}")
-                return sq
+                return self.comm.allreduce(sq, None, f"global gradient norm in step {self.step}")
 
             self.grad_norm = clip_grad_norm_global(self.params, self.cfg.clip_grad, allreduce, self.norm_params)
         self.optimizer.step()

@@ -43,6 +43,7 @@ def plot_timeline(
 
     Returns the figure; rows are ``ax.get_yticks()`` (one per worker, worker 0 on top).
     """
+    own = ax is None
     if ax is None:
         width = min(24.0, 6.0 + 0.05 * len(events) / max(1, workers))
         fig, ax = plt.subplots(figsize=(width, 0.6 * workers + 1.6))
@@ -79,7 +80,8 @@ def plot_timeline(
               ncol=len(handles), fontsize=8, frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
-    fig.tight_layout()
+    if own:
+        fig.tight_layout()
     return fig
 
 
