@@ -150,7 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     from chimera.runtime.config import add_train_args
 
     add_train_args(train)
-    train.add_argument("--address", default=None, help="Ray cluster to join ('auto'); default: start a local Ray")
     train.add_argument("--out", default=None, help="JSONL metrics file (default: profiles/<run name>.metrics.jsonl)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=cmd_train)

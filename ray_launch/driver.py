@@ -17,7 +17,9 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -36,10 +38,27 @@ from chimera.runtime.launch import WorkerError
 from chimera.timeline import Event
 from chimera.timeline.report import write_profile
 from ray_launch.actor import WorkerActor
+from ray_launch.placement import PlacementError, assign, cluster_nodes, format_map, run_pre_commands
 
 
 class RunError(RuntimeError):
     """The run failed; the message names the worker and what it was doing."""
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Fail fast with a clear message when host:port of ``address`` does not accept connections."""
+    if address in ("auto", "local"):
+        return
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise RunError(f"--address {address!r} is not 'auto' or host:port (e.g. 10.0.0.1:6379)")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise RunError(f"cannot reach the Ray cluster at --address {address}: {e.strerror or e} (is `ray start --head` "
+                       "running there and the port open? omit --address to run on a local Ray)") from None
 
 
 def _bundle(cfg: TrainConfig) -> dict[str, float]:
@@ -70,14 +89,16 @@ def _gather(refs: Sequence[Any], what: str, timeout_s: float) -> list[Any]:
 class RayJob:
     """One training job on Ray; use as a context manager so everything it started is stopped."""
 
-    def __init__(self, cfg: TrainConfig, address: str | None = None, connect_timeout_s: float = 60.0) -> None:
+    def __init__(self, cfg: TrainConfig, log: Any = None) -> None:
         self.cfg = cfg
         self.plan: Plan = cfg.check()  # every configuration error surfaces here, before Ray or any actor
         if cfg.nsys and shutil.which("nsys") is None:
             raise ConfigError("--nsys needs Nsight Systems' `nsys` on PATH, and it is not there; install Nsight "
                               "Systems (https://developer.nvidia.com/nsight-systems) or drop --nsys")
-        self.address = address
-        self.connect_timeout_s = connect_timeout_s
+        self.address = cfg.address
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.node_of_rank: list[str] = []
+        self.connect_timeout_s = cfg.connect_timeout_s
         self.started_ray = False
         self.pg = None
         self.actors: list[Any] = []
@@ -105,37 +126,85 @@ class RayJob:
         if ray.is_initialized():
             return
         if self.address:
-            try:
-                ray.init(address=self.address, log_to_driver=True)
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                raise RunError(f"cannot connect to the Ray cluster at --address {self.address}: "
-                               f"{str(e).splitlines()[0]} (start one with `ray start --head` or omit --address "
-                               "to run on a local Ray)") from None
+            _check_reachable(self.address, min(10.0, self.connect_timeout_s))
+            errors: list[BaseException] = []
+
+            def connect() -> None:
+                try:
+                    ray.init(address=self.address, log_to_driver=True, runtime_env=self._job_runtime_env())
+                except BaseException as e:  # reported below
+                    errors.append(e)
+
+            t = threading.Thread(target=connect, daemon=True)
+            t.start()
+            t.join(self.connect_timeout_s)
+            if t.is_alive() or errors:
+                why = f"{type(errors[0]).__name__}: {str(errors[0]).splitlines()[0]}" if errors else \
+                    f"no answer within {self.connect_timeout_s:g} s"
+                raise RunError(f"cannot connect to the Ray cluster at --address {self.address}: {why} (is a Ray head "
+                               "running there, with the same auth token? omit --address to run on a local Ray)")
         else:
             ray.init(address="local", num_cpus=max(world, os.cpu_count() or 1), include_dashboard=False,
                      _node_ip_address="127.0.0.1", log_to_driver=True)
             self.started_ray = True
 
+    def _job_runtime_env(self) -> dict[str, Any] | None:
+        """Ship chimera's packages to every node (``py_modules``) when joining a cluster, unless told not to."""
+        ship = self.cfg.ship_code if self.cfg.ship_code is not None else bool(self.address)
+        if not ship:
+            return None
+        import chimera
+        import ray_launch
+
+        return {"py_modules": [str(Path(chimera.__file__).parent), str(Path(ray_launch.__file__).parent)]}
+
+    def _worker_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_"))}
+        env.update(e.split("=", 1) for e in self.cfg.env)
+        return env
+
     def _place(self) -> None:
         world = self.plan.world_size
         bundle = _bundle(self.cfg)
+        if self.cfg.pre_cmd:
+            results = run_pre_commands(self.cfg.pre_cmd)
+            self.log(f"--pre-cmd ran on {len(results)} node(s)")
         have = ray.cluster_resources()
         for res, amount in bundle.items():
             if have.get(res, 0) < amount * world:
                 raise RunError(f"the Ray cluster has {have.get(res, 0):g} {res} but {world} workers need "
                                f"{amount * world:g}; lower --stages/--data-parallel or add nodes")
-        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+        deadline = time.monotonic() + self.connect_timeout_s
+        while True:  # resources of a job that just ended are freed asynchronously: wait for them a while
+            nodes = cluster_nodes("GPU" if self.cfg.device == "cuda" else "CPU")
+            try:
+                self.node_of_rank = assign(self.cfg.placement, world, nodes)
+                break
+            except PlacementError as e:
+                if time.monotonic() > deadline:
+                    raise RunError(f"{e} (waited {self.connect_timeout_s:g} s)") from None
+                time.sleep(0.5)
+        self.log(format_map(self.node_of_rank, nodes, self.plan.schedule.workers))
+        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK",
+                                  bundle_label_selector=[{"ray.io/node-id": nid} for nid in self.node_of_rank])
         try:
             ray.get(self.pg.ready(), timeout=self.connect_timeout_s)
         except GetTimeoutError:
             raise RunError(f"could not reserve {world} x {bundle} within {self.connect_timeout_s:g} s "
                            f"(available now: {ray.available_resources()})") from None
         options: dict[str, Any] = {}
+        runtime_env: dict[str, Any] = {}
+        env = self._worker_env()
+        if env:
+            runtime_env["env_vars"] = env
+            self.log("worker environment: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
         if self.cfg.nsys:
             self.profile_dir.mkdir(parents=True, exist_ok=True)
-            options["runtime_env"] = {"nsight": {
+            runtime_env["nsight"] = {
                 "t": "cuda,cudnn,cublas,nvtx", "stop-on-exit": "true",
-                "o": str(self.profile_dir / f"{self.cfg.run_name}_worker_%p")}}
+                "o": str(self.profile_dir / f"{self.cfg.run_name}_worker_%p")}
+        if runtime_env:
+            options["runtime_env"] = runtime_env
         self.actors = [
             WorkerActor.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
@@ -147,8 +216,10 @@ class RayJob:
 
     def _setup(self) -> None:
         cfg, world = self.cfg, self.plan.world_size
-        host, port = _gather([self.actors[0].rendezvous_address.remote(self.started_ray)], "rendezvous",
-                             self.connect_timeout_s)[0]
+        loopback = self.started_ray or ray.util.get_node_ip_address() in ("127.0.0.1", "localhost")
+        # the first call waits for the actor process to start (imports torch): allow for a loaded machine
+        host, port = _gather([self.actors[0].rendezvous_address.remote(loopback)], "rendezvous",
+                             self.connect_timeout_s + cfg.timeout_s)[0]
         init = f"tcp://{host}:{port}"
         refs = [a.setup.remote(cfg, self.plan, r, world, init) for r, a in enumerate(self.actors)]
         self.infos = _gather(refs, "setup", cfg.timeout_s + self.connect_timeout_s)
@@ -207,8 +278,7 @@ class RayJob:
         return [torch.load(io.BytesIO(b)) for b in blobs]
 
 
-def run(cfg: TrainConfig, *, address: str | None = None, out: str | Path | None = None,
-        progress: bool = True) -> list[dict[str, Any]]:
+def run(cfg: TrainConfig, *, out: str | Path | None = None, progress: bool = True) -> list[dict[str, Any]]:
     """Train ``cfg.steps`` steps on Ray; write JSONL metrics to ``out``; return the records."""
     records: list[dict[str, Any]] = []
     events: list[Event] = []
@@ -217,7 +287,7 @@ def run(cfg: TrainConfig, *, address: str | None = None, out: str | Path | None 
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         out_file = open(out, "w")  # noqa: SIM115 - closed in finally
     try:
-        with RayJob(cfg, address) as job:
+        with RayJob(cfg, log=None if progress else (lambda msg: None)) as job:
             bar = tqdm(range(cfg.steps), desc=cfg.run_name, disable=not progress, unit="step", dynamic_ncols=True)
             for step in bar:
                 rec = job.step(step)
@@ -249,7 +319,6 @@ def run(cfg: TrainConfig, *, address: str | None = None, out: str | Path | None 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train a model with a Chimera / 1F1B / GPipe pipeline on Ray.")
     add_train_args(p)
-    p.add_argument("--address", default=None, help="Ray cluster to join ('auto'); default: start a local Ray")
     p.add_argument("--out", default=None, help="JSONL metrics file (default: profiles/<run name>.metrics.jsonl)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -266,7 +335,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
     out = ns.out or f"profiles/{cfg.run_name}.metrics.jsonl"
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        records = run(cfg, address=ns.address, out=out, progress=not ns.no_progress)
+        records = run(cfg, out=out, progress=not ns.no_progress)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -283,5 +352,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_from_args(build_parser().parse_args(argv))
+def main(argv: Sequence[str] | None = None, defaults: dict[str, Any] | None = None) -> int:
+    parser = build_parser()
+    if defaults:
+        parser.set_defaults(**defaults)
+    return run_from_args(parser.parse_args(argv))

@@ -1,21 +1,41 @@
-"""Shared fixtures: one local Ray for the whole session (loopback, token auth left on)."""
+"""Shared fixtures: one local two-node Ray cluster for the whole session, on loopback, token auth left on.
+
+Ray picks the machine's network address for its nodes unless told otherwise; the tests keep every Ray
+process on 127.0.0.1 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray use the loopback address, as on a
+laptop) so that nothing is sent beyond this machine. It must be set before Ray is imported.
+"""
 
 import os
 
-import pytest
-
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """A local Ray started once for all Ray tests; shut down (only by us) at the end of the session."""
+def ray_cluster():
+    """Two Ray nodes on this machine (4 CPUs each, custom resources ``node_a`` / ``node_b``); the driver
+    is connected to it. Shut down (only by us) at the end of the session."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "resources": {"node_a": 1}, "include_dashboard": False})
+    cluster.add_node(num_cpus=4, resources={"node_b": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_cluster):
+    """The session's Ray (the two-node cluster), for tests that only need a running Ray."""
     import ray
 
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    return ray
 
 
 def alive_actors(ray) -> list[str]:
@@ -23,3 +43,14 @@ def alive_actors(ray) -> list[str]:
     from ray._private.state import actors
 
     return [a.get("ActorClassName", "") for a in actors().values() if a["State"] != "DEAD"]
+
+
+def node_ids(ray) -> dict[str, str]:
+    """Custom resource name (node_a / node_b) -> node id of the session cluster."""
+    out = {}
+    for n in ray.nodes():
+        if n.get("Alive"):
+            for res in ("node_a", "node_b"):
+                if res in n["Resources"]:
+                    out[res] = n["NodeID"]
+    return out

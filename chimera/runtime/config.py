@@ -20,6 +20,8 @@ from chimera.optim import OPTIMIZERS
 from chimera.optim import SCHEDULES as LR_SCHEDULES
 from chimera.schedule import Schedule, ScheduleConfigError, build_schedule, lower, validate
 
+PLACEMENTS = ("pack", "spread", "stage-pairs")
+
 
 class ConfigError(ValueError):
     """An invalid training configuration; the message says what to change."""
@@ -70,6 +72,13 @@ class TrainConfig:
     nsys: bool = False
     comm_payload: str = "full"
     check_replicas: bool = False
+    # launching (used by the driver only)
+    address: str | None = None  # None: start a local Ray on loopback; "auto" or host:port: join a cluster
+    placement: str = "pack"
+    pre_cmd: tuple[str, ...] = ()  # shell commands run once on every node before training
+    env: tuple[str, ...] = ()  # KEY=VALUE for the workers (NCCL_*/GLOO_* of the driver are passed on anyway)
+    ship_code: bool | None = None  # ship chimera's code with runtime_env (default: when joining a cluster)
+    connect_timeout_s: float = 60.0  # joining the cluster, reserving resources
     model_overrides: dict[str, Any] = field(default_factory=dict)
     debug_stall: tuple[int, float] | None = None  # (worker rank, seconds): fault injection for timeout tests
 
@@ -113,6 +122,11 @@ class TrainConfig:
         bad = [s for s in self.profile_steps if not 0 <= s < self.steps]
         if bad:
             raise ConfigError(f"--profile-steps {bad} are outside 0..{self.steps - 1}; raise --steps or pick other steps")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"--placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        bad_env = [e for e in self.env if "=" not in e or not e.split("=", 1)[0]]
+        if bad_env:
+            raise ConfigError(f"--env takes KEY=VALUE, got {bad_env[0]!r}")
         if self.mode != "direct":
             raise ConfigError(
                 f"--mode {self.mode}: the runtime executes Chimera with direct concatenation; forward doubling and "
@@ -182,6 +196,19 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nsys", action="store_true", help="run the workers under Nsight Systems (nsys on PATH)")
     p.add_argument("--comm-payload", default="full", choices=("full", "single-byte"),
                    help="single-byte: every message/allreduce carries 1 byte (compute-only timelines; not training)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join ('auto' or host:port); default: start a local Ray on loopback")
+    p.add_argument("--placement", default=d.placement, choices=PLACEMENTS,
+                   help="pack: neighbours share a node; spread: round-robin; stage-pairs: pairs (0,1),(2,3).. per node")
+    p.add_argument("--pre-cmd", action="append", default=[], help="shell command run once on every node first "
+                   "(repeatable)")
+    p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the workers, e.g. "
+                   "NCCL_SOCKET_IFNAME=eth0 (repeatable)")
+    p.add_argument("--ship-code", dest="ship_code", action="store_true", default=None,
+                   help="ship chimera's code to the workers with runtime_env (default when --address is given)")
+    p.add_argument("--no-ship-code", dest="ship_code", action="store_false")
+    p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, default=d.connect_timeout_s,
+                   help="seconds to join the Ray cluster and reserve the workers' resources")
     p.add_argument("--check-replicas", action="store_true",
                    help="after every step, verify that all replicas of each stage are bitwise identical")
 
@@ -195,4 +222,7 @@ def _steps(text: str) -> tuple[int, ...]:
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in vars(ns).items() if k in names})
+    kw = {k: v for k, v in vars(ns).items() if k in names}
+    for key in ("pre_cmd", "env"):
+        kw[key] = tuple(kw.get(key) or ())
+    return TrainConfig(**kw)

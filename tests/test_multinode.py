@@ -1,0 +1,153 @@
+"""Across nodes: placement policies on a two-node cluster, parity across nodes, --pre-cmd once per node,
+job submission to a loopback head, shutdown.sh, and clear errors for bad addresses."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from chimera.runtime import TrainConfig, stage_params_by_layer, train_sequential
+from ray_launch.driver import RayJob
+from ray_launch.placement import Node, PlacementError, assign
+from tests.conftest import node_ids
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[1]
+DELAY = TrainConfig(model="delay", model_overrides={"num_blocks": 4, "fwd_s": 0.001}, schedule="chimera", stages=4,
+                    micro_batches=4, micro_batch_size=2, data_parallel=2, steps=1, optimizer="sgd", timeout_s=60)
+
+
+def test_assign_policies_unit():
+    nodes = [Node("A", "h", 4), Node("B", "w", 4)]
+    assert assign("pack", 6, nodes) == ["A"] * 4 + ["B"] * 2
+    assert assign("spread", 5, nodes) == ["A", "B", "A", "B", "A"]
+    assert assign("stage-pairs", 8, nodes) == ["A", "A", "B", "B", "A", "A", "B", "B"]
+    assert assign("stage-pairs", 3, [Node("A", "h", 1), Node("B", "w", 2)]) == ["B", "B", "A"]
+    with pytest.raises(PlacementError, match="9 workers need 9 free slots but the cluster has 8"):
+        assign("pack", 9, nodes)
+
+
+def _nodes_of(job) -> list[str]:
+    return [info["node_id"] for info in job.infos]
+
+
+@pytest.mark.parametrize("policy,expected", [
+    ("pack", ["node_a"] * 4 + ["node_b"] * 4),
+    ("stage-pairs", ["node_a", "node_a", "node_b", "node_b"] * 2),
+])
+def test_placement_policies_put_workers_on_expected_nodes(ray_cluster, policy, expected):
+    import ray
+
+    ids = node_ids(ray)
+    with RayJob(DELAY.replace(placement=policy), log=lambda m: None) as job:
+        job.step(0)
+        assert _nodes_of(job) == [ids[n] for n in expected]
+
+
+def test_chimera_across_two_nodes_spread_equals_sequential(ray_cluster):
+    import ray
+
+    ids = node_ids(ray)
+    cfg = TrainConfig(model="bert-tiny", schedule="chimera", stages=4, micro_batches=4, micro_batch_size=2,
+                      seq_len=16, data_parallel=2, steps=3, optimizer="adamw", timeout_s=60, placement="spread",
+                      check_replicas=True)
+    with RayJob(cfg, log=lambda m: None) as job:
+        records = [job.step(s) for s in range(cfg.steps)]
+        states = job.states()
+        assert _nodes_of(job) == [ids["node_a"], ids["node_b"]] * 4  # every pipeline edge crosses nodes
+    ref_losses, ref = train_sequential(cfg)
+    assert all(abs(r["loss"] - x) <= 1e-6 for r, x in zip(records, ref_losses))
+    plan = cfg.check()
+    for state in states:
+        for (_, stage), params in state.items():
+            for k, v in stage_params_by_layer(params, plan.stage_layers[stage]).items():
+                assert (v - ref[k]).abs().max().item() <= 1e-5
+
+
+def test_pre_cmd_runs_once_per_node(ray_cluster, tmp_path):
+    import ray
+
+    marker = tmp_path / "markers"
+    marker.mkdir()
+    cmd = f'touch "{marker}/$CHIMERA_NODE_ID.$$"'
+    with RayJob(DELAY.replace(data_parallel=1, pre_cmd=(cmd,)), log=lambda m: None) as job:
+        job.step(0)
+    files = sorted(p.name.split(".")[0] for p in marker.iterdir())
+    assert files == sorted(node_ids(ray).values())  # one marker per node, no node twice
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_job_submission_and_shutdown(tmp_path):
+    env = {**os.environ, "CHIMERA_RAY_STATE": str(tmp_path / "state.json"),
+           "CHIMERA_RAY_TMP": f"/tmp/chimera-test-{os.getpid()}", "CHIMERA_RAY_PORT": str(_free_port()),
+           "CHIMERA_RAY_DASHBOARD_PORT": str(_free_port()), "CHIMERA_RAY_CPUS": "4",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
+    bystander = subprocess.Popen(["sleep", "600"])
+    started = False
+    try:
+        p = subprocess.run(["bash", "scripts/start_ray.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=180)
+        assert p.returncode == 0, p.stderr[-2000:]
+        started = True
+        state = json.loads((tmp_path / "state.json").read_text())
+        out = tmp_path / "job_metrics.jsonl"
+        runtime_env = json.dumps({"excludes": [".venv", ".git", "profiles", "*.egg-info", ".hypothesis"]})
+        job = subprocess.run(
+            [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", state["dashboard"],
+             "--working-dir", ".", "--runtime-env-json", runtime_env, "--",
+             sys.executable, "scripts/prof_steps_ray_multinode.py", "--address", "auto", "--model", "bert-tiny",
+             "--stages", "2", "--micro-batches", "2", "--seq-len", "16", "--steps", "2", "--no-progress",
+             "--out", str(out)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+        assert job.returncode == 0, (job.stdout[-3000:], job.stderr[-3000:])
+        assert "succeeded" in (job.stdout + job.stderr)
+        assert len(out.read_text().splitlines()) == 2
+    finally:
+        if started:
+            stop = subprocess.run(["bash", "shutdown.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=120)
+            assert stop.returncode == 0, stop.stderr
+            assert "stopped" in stop.stdout
+        alive = bystander.poll() is None
+        bystander.kill()
+    assert alive, "shutdown.sh must not stop processes it did not start"
+    time.sleep(1)
+    leftovers = subprocess.run(["pgrep", "-f", env["CHIMERA_RAY_TMP"]], capture_output=True, text=True).stdout
+    assert leftovers.strip() == ""
+    assert not (tmp_path / "state.json").exists()
+
+
+def _run_script(*args, timeout=120):
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "scripts/prof_steps_ray.py", "--model", "bert-tiny", "--stages", "2",
+                        "--micro-batches", "2", "--steps", "1", "--no-progress", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    return p, time.monotonic() - t0
+
+
+def test_wrong_address_fails_fast():
+    p, took = _run_script("--address", f"127.0.0.1:{_free_port()}")
+    assert p.returncode == 1 and "cannot reach the Ray cluster at --address 127.0.0.1:" in p.stderr
+    assert took < 60
+    p, _ = _run_script("--address", "not-an-address")
+    assert p.returncode == 1 and "is not 'auto' or host:port" in p.stderr
+
+
+def test_unresponsive_cluster_fails_within_the_connect_timeout():
+    with socket.socket() as s:  # accepts TCP connections, never speaks Ray
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        p, took = _run_script("--address", f"127.0.0.1:{s.getsockname()[1]}", "--connect-timeout", "5")
+    assert p.returncode == 1 and "cannot connect to the Ray cluster" in p.stderr and "no answer within 5 s" in p.stderr
+    assert took < 60
