@@ -140,7 +140,7 @@ class TrainConfig:
             except CorpusError as e:
                 raise ConfigError(f"--corpus: {e}") from None
             if note:
-                warnings.warn(note, stacklevel=2)
+                warnings.warn(note, stacklevel=1)  # one location: shown once per process
         try:
             stage_layers = partition(model, sched.stages, _partition_method(self.partition))
         except ValueError as e:
