@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from chimera.cli import main
 from chimera.data import CorpusBertDataset, TokenizedCorpus, build_dataset, load_info, permute
 from chimera.data.corpus import SAMPLE_CORPUS, tokenized_dir
 from chimera.data.tokenizer import build_tokenizers, load_tokenizer
@@ -62,6 +63,15 @@ def test_shipped_sample_is_the_prepared_extract_and_up_to_date(prepared) -> None
     assert total < 3 * 2**20
     for family in ("bert", "gpt2"):
         assert load_info(SAMPLE_CORPUS, family).vocab_size == 8192  # fingerprint matches the shipped text
+
+
+def test_tokenizer_command(tmp_path, capsys) -> None:
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join("\n".join(d) for d in _documents(SAMPLE_CORPUS.read_text())[:2]) + "\n")
+    assert main(["data", "tokenizer", str(corpus), "--family", "gpt2", "--vocab-size", "400", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt2: 400 tokens in the vocabulary; 2 documents" in out and "c.gpt2" in out
+    assert not tokenized_dir(corpus, "bert").exists()
 
 
 def test_tokenizers_train_load_and_round_trip(tmp_path) -> None:
