@@ -46,6 +46,7 @@ def main() -> None:
         cfg = TrainConfig(model="bert-large", model_overrides={"num_hidden_layers": 6}, micro_batch_size=32,
                           seq_len=128)
     cfg = cfg.replace(schedule="gpipe", stages=1, micro_batches=args.micro_batches, device=args.device,
+                      corpus="synthetic",  # the bare loop below reads synthetic data too
                       optimizer="lamb", clip_grad=1.0, steps=args.reps + 2, timeout_s=600)
     plan = cfg.check()
     dev = args.device

@@ -6,6 +6,9 @@ Examples::
     chimera schedule show 1f1b --stages 4 --micro-batches 8 --format json --lowered
     chimera schedule simulate chimera --stages 4 --micro-batches 4 --fwd 1 --bwd 2 --json
     chimera schedule plot chimera --stages 4 --micro-batches 8 -o chimera.png
+    chimera data prepare enwiki-latest-pages-articles.xml.bz2 -o wikipedia.segmented.txt
+    chimera data tokenizer wikipedia.segmented.txt --vocab-size 30522
+    chimera train --model bert-base --corpus wikipedia.segmented.txt
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import sys
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import Any
 
 from chimera.schedule import (
     CHIMERA_MODES,
@@ -116,6 +120,61 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from chimera.data.wiki import PrepareError, prepare_wikipedia
+
+    try:
+        stats = prepare_wikipedia(args.dump, args.output, workers=args.workers, max_docs=args.max_docs,
+                                  progress=not args.no_progress)
+    except PrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.output}: {stats.summary()}")
+    return 0
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    from chimera.data.corpus import CorpusError, tokenized_dir
+    from chimera.data.tokenizer import build_tokenizers
+
+    try:
+        infos = build_tokenizers(args.corpus, args.family, vocab_size=args.vocab_size,
+                                 min_frequency=args.min_frequency, progress=not args.no_progress)
+    except CorpusError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for family, info in infos.items():
+        lengths = ", ".join(f"{info.longer_than(n - 3)} longer than {n - 3}" for n in (64, 128, 512))
+        print(f"{family}: {info.vocab_size} tokens in the vocabulary; {info.documents} documents, {info.sentences} "
+              f"sentences, {info.tokens} tokens (sentences: {lengths}) in {tokenized_dir(info.path, family)}/")
+    return 0
+
+
+def _add_data_parser(sub: Any) -> None:
+    import os
+
+    from chimera.data.corpus import FAMILIES
+
+    data = sub.add_parser("data", help="make a training corpus: Wikipedia dump -> sentences -> tokenizers, tokens")
+    dsub = data.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    prep = dsub.add_parser("prepare", help="Wikipedia XML dump (.xml/.xml.bz2) -> one sentence per line, "
+                                           "a blank line between documents")
+    prep.add_argument("dump", help="pages-articles dump, .xml or .xml.bz2 (streamed)")
+    prep.add_argument("-o", "--output", required=True, help="corpus text file to write")
+    prep.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="processes cleaning pages")
+    prep.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prep.set_defaults(func=cmd_prepare)
+    tok = dsub.add_parser("tokenizer", help="train WordPiece (BERT) / byte-level BPE (GPT-2) tokenizers on a corpus "
+                                            "and tokenize it into memory-mapped files next to it")
+    tok.add_argument("corpus", help="segmented corpus (one sentence per line, a blank line between documents)")
+    tok.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="model families")
+    tok.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size of each tokenizer")
+    tok.add_argument("--min-frequency", type=int, default=2, help="minimum count of a merged token")
+    tok.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tok.set_defaults(func=cmd_tokenizer)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="chimera", description="Chimera bidirectional pipeline parallelism on Ray")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -153,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default=None, help="JSONL metrics file (default: profiles/<run name>.metrics.jsonl)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=cmd_train)
+    _add_data_parser(sub)
     return parser
 
 

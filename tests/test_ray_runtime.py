@@ -15,7 +15,7 @@ from tests.conftest import alive_actors
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
 BASE = TrainConfig(model="bert-tiny", micro_batch_size=2, seq_len=16, steps=3, optimizer="adamw", timeout_s=60,
-                   check_replicas=True)
+                   check_replicas=True, corpus="synthetic")
 
 
 def _wait_no_actors(ray, timeout=20.0):

@@ -16,7 +16,7 @@ from chimera.runtime import (
 )
 
 BASE = TrainConfig(model="bert-tiny", micro_batch_size=2, seq_len=16, steps=5, optimizer="adamw", lr=1e-3,
-                   timeout_s=60, check_replicas=True)
+                   timeout_s=60, check_replicas=True, corpus="synthetic")
 
 
 def assert_parity(cfg: TrainConfig) -> None:

@@ -1,13 +1,24 @@
-"""Data interface for pipeline training and synthetic datasets."""
+"""Data interface for pipeline training: synthetic datasets and real corpora (Wikipedia → BERT / GPT-2)."""
 
-from chimera.data.base import AddressedDataset, PipelineDataset, mix_seed
-from chimera.data.synthetic import SyntheticBertDataset, SyntheticGPT2Dataset, build_dataset
+from chimera.data.base import AddressedDataset, PipelineDataset, mix_seed, permute
+from chimera.data.build import build_dataset
+from chimera.data.corpus import CorpusError, CorpusInfo, TokenizedCorpus, load_info, resolve_corpus
+from chimera.data.pretrain import CorpusBertDataset, CorpusGPT2Dataset
+from chimera.data.synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
 
 __all__ = [
     "AddressedDataset",
+    "CorpusBertDataset",
+    "CorpusError",
+    "CorpusGPT2Dataset",
+    "CorpusInfo",
     "PipelineDataset",
     "SyntheticBertDataset",
     "SyntheticGPT2Dataset",
+    "TokenizedCorpus",
     "build_dataset",
+    "load_info",
     "mix_seed",
+    "permute",
+    "resolve_corpus",
 ]

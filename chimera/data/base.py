@@ -73,3 +73,24 @@ class AddressedDataset:
     def labels(self, step: int, microbatch: int, dp_rank: int = 0) -> Batch:
         """Last-stage labels only."""
         return self.get(step, microbatch, dp_rank)[1]
+
+
+def permute(index: int, n: int, key: int) -> int:
+    """A keyed pseudo-random bijection of ``[0, n)`` evaluated at ``index``, in O(1) memory.
+
+    A 4-round Feistel network on the smallest even bit width that holds ``n``, cycle-walked into range
+    (at most ~4 walks on average), so that huge corpora need no stored permutation.
+    """
+    if not 0 <= index < n:
+        raise IndexError(f"index {index} outside [0, {n})")
+    bits = max(2, (n - 1).bit_length())
+    half = (bits + 1) // 2
+    mask = (1 << half) - 1
+    x = index
+    while True:
+        left, right = x >> half, x & mask
+        for r in range(4):
+            left, right = right, left ^ (mix_seed(key, r, right) & mask)
+        x = (left << half) | right
+        if x < n:
+            return x

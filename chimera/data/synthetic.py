@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from chimera.data.base import AddressedDataset, Batch
-
-if TYPE_CHECKING:
-    from chimera.models.base import LayeredModel
 
 PAD_ID, CLS_ID, SEP_ID, MASK_ID = 0, 101, 102, 103
 FIRST_WORD_ID = 104  # ids below are special / unused in the BERT uncased vocabulary
@@ -79,16 +74,3 @@ class SyntheticRegressionDataset(AddressedDataset):
         shape = (self.micro_batch_size, self.hidden)
         return {"x": torch.randn(shape, generator=gen)}, {"y": torch.randn(shape, generator=gen)}
 
-
-def build_dataset(
-    model: LayeredModel, micro_batch_size: int, seq_len: int | None = None, seed: int = 0
-) -> AddressedDataset:
-    """The synthetic dataset matching ``model.family`` (``seq_len`` defaults to the model's)."""
-    seq_len = model.seq_len if seq_len is None else seq_len
-    if model.family == "bert":
-        return SyntheticBertDataset(model.vocab_size, seq_len, micro_batch_size, seed)
-    if model.family == "gpt2":
-        return SyntheticGPT2Dataset(model.vocab_size, seq_len, micro_batch_size, seed)
-    if model.family == "delay":
-        return SyntheticRegressionDataset(model.hidden_size, micro_batch_size, seed)
-    raise ValueError(f"no synthetic dataset for model family {model.family!r}; known: bert, gpt2, delay")

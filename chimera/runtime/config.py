@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from chimera.data import CorpusError, CorpusInfo, load_info, resolve_corpus
+from chimera.data.pretrain import check_fit
 from chimera.models import LayeredModel, build_model, partition
 from chimera.optim import OPTIMIZERS
 from chimera.optim import SCHEDULES as LR_SCHEDULES
@@ -54,6 +57,7 @@ class TrainConfig:
     device: str = "cpu"
     seed: int = 1234
     seq_len: int | None = 64
+    corpus: str = "sample"  # "sample" (shipped Wikipedia extract), "synthetic" (random tokens) or a corpus path
     chunks: int = 2
     mode: str = "direct"
     partition: str = "uniform"
@@ -96,10 +100,32 @@ class TrainConfig:
 
     @cached_property
     def _model(self) -> LayeredModel:
+        model = self._build_model(self.model_overrides)
+        info = self._corpus_info(model.family)
+        if info is None:
+            return model
+        # the vocabulary comes from the corpus' tokenizer, so driver, workers and reference build the same model
+        vocab = self.model_overrides.get("vocab_size", info.vocab_size)
+        if vocab != info.vocab_size:
+            raise ConfigError(f"model override vocab_size={vocab} contradicts the {info.family} tokenizer of "
+                              f"--corpus {self.corpus} ({info.vocab_size} tokens); drop the override")
+        return self._build_model(self.model_overrides | {"vocab_size": vocab})
+
+    def _build_model(self, overrides: dict[str, Any]) -> LayeredModel:
         try:
-            return build_model(self.model, seq_len=self.seq_len, **self.model_overrides)
+            return build_model(self.model, seq_len=self.seq_len, **overrides)
         except ValueError as e:
             raise ConfigError(f"--model: {e}") from None
+
+    def _corpus_info(self, family: str) -> CorpusInfo | None:
+        """The tokenized corpus this run reads (None: synthetic data); raises ConfigError with the fix."""
+        path = resolve_corpus(self.corpus)
+        if path is None or family not in ("bert", "gpt2"):
+            return None
+        try:
+            return load_info(path, family)
+        except CorpusError as e:
+            raise ConfigError(f"--corpus: {e}") from None
 
     def check(self) -> Plan:
         """Validate every field; return the plan. Raises :class:`ConfigError` naming what to change."""
@@ -138,6 +164,14 @@ class TrainConfig:
         except ScheduleConfigError as e:
             raise ConfigError(str(e)) from None
         model = self._model
+        info = self._corpus_info(model.family)
+        if info is not None:
+            try:
+                note = check_fit(info, model.seq_len)
+            except CorpusError as e:
+                raise ConfigError(f"--corpus: {e}") from None
+            if note:
+                warnings.warn(note, stacklevel=1)  # one location: shown once per process
         try:
             stage_layers = partition(model, sched.stages, _partition_method(self.partition))
         except ValueError as e:
@@ -177,6 +211,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, choices=("cpu", "cuda"))
     p.add_argument("--seed", type=int, default=d.seed, help="same seed: same weights and data for every schedule")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="sequence length")
+    p.add_argument("--corpus", default=d.corpus,
+                   help="'sample' (small Wikipedia extract shipped with chimera), 'synthetic' (random tokens), or a "
+                        "corpus prepared with `chimera data prepare` and `chimera data tokenizer`")
     p.add_argument("--chunks", type=int, default=d.chunks, help="interleaved: stages per worker v")
     p.add_argument("--partition", default=d.partition, help="uniform, params or layers per stage '2,2,1,1'")
     p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS)

@@ -28,7 +28,8 @@ def train_sequential(cfg: TrainConfig) -> tuple[list[float], dict[tuple[int, str
     opt = build_optimizer(params, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
     lr = warmup_decay_schedule(opt, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps), cfg.lr_schedule)
     mbs = int(cfg.micro_batch_size * sched.microbatch_scale)
-    data = build_dataset(plan.model, mbs, plan.model.seq_len, cfg.seed)
+    data = build_dataset(plan.model, mbs, plan.model.seq_len, cfg.seed, corpus=cfg.corpus,
+                         microbatches=sched.microbatches, data_parallel=sched.data_parallel)
     units = sched.microbatches
     scale = 1.0 / (units * sched.data_parallel)
     losses = []

@@ -114,7 +114,9 @@ class PipelineWorker:
         self.lr_schedule = warmup_decay_schedule(self.optimizer, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps),
                                                  cfg.lr_schedule)
         scale = sched.microbatch_scale
-        self.dataset = build_dataset(model, int(cfg.micro_batch_size * scale), model.seq_len, cfg.seed)
+        self.dataset = build_dataset(model, int(cfg.micro_batch_size * scale), model.seq_len, cfg.seed,
+                                     corpus=cfg.corpus, microbatches=sched.microbatches,
+                                     data_parallel=sched.data_parallel)
         self.mbs = int(cfg.micro_batch_size * scale)
         self.loss_scale = 1.0 / (sched.microbatches * sched.data_parallel)
         # parameters whose squared norm this rank contributes to the global norm: one replica per stage
