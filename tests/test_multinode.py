@@ -55,7 +55,7 @@ def test_chimera_across_two_nodes_spread_equals_sequential(ray_cluster):
     ids = node_ids(ray)
     cfg = TrainConfig(model="bert-tiny", schedule="chimera", stages=4, micro_batches=4, micro_batch_size=2,
                       seq_len=16, data_parallel=2, steps=3, optimizer="adamw", timeout_s=60, placement="spread",
-                      check_replicas=True)
+                      check_replicas=True, corpus="synthetic")
     with RayJob(cfg, log=lambda m: None) as job:
         records = [job.step(s) for s in range(cfg.steps)]
         states = job.states()
@@ -92,6 +92,7 @@ def test_job_submission_and_shutdown(tmp_path):
     env = {**os.environ, "CHIMERA_RAY_STATE": str(tmp_path / "state.json"),
            "CHIMERA_RAY_TMP": f"/tmp/chimera-test-{os.getpid()}", "CHIMERA_RAY_PORT": str(_free_port()),
            "CHIMERA_RAY_DASHBOARD_PORT": str(_free_port()), "CHIMERA_RAY_CPUS": "4",
+           "CHIMERA_RAY_AGENT_PORT": str(_free_port()), "CHIMERA_RAY_CLIENT_PORT": str(_free_port()),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
     bystander = subprocess.Popen(["sleep", "600"])
     started = False
@@ -107,7 +108,8 @@ def test_job_submission_and_shutdown(tmp_path):
             [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", state["dashboard"],
              "--working-dir", ".", "--runtime-env-json", runtime_env, "--",
              sys.executable, "scripts/prof_steps_ray_multinode.py", "--address", "auto", "--model", "bert-tiny",
-             "--stages", "2", "--micro-batches", "2", "--seq-len", "16", "--steps", "2", "--no-progress",
+             "--stages", "2", "--micro-batches", "2", "--seq-len", "16", "--corpus", "synthetic", "--steps", "2",
+             "--no-progress",
              "--out", str(out)],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
         assert job.returncode == 0, (job.stdout[-3000:], job.stderr[-3000:])
@@ -131,7 +133,7 @@ def test_job_submission_and_shutdown(tmp_path):
 def _run_script(*args, timeout=120):
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "scripts/prof_steps_ray.py", "--model", "bert-tiny", "--stages", "2",
-                        "--micro-batches", "2", "--steps", "1", "--no-progress", *args], cwd=ROOT,
+                        "--micro-batches", "2", "--steps", "1", "--corpus", "synthetic", "--no-progress", *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout)
     return p, time.monotonic() - t0
 

@@ -17,7 +17,7 @@ from chimera.timeline.report import load_events, render, timeline_figure, write_
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = TrainConfig(model="bert-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
-                  steps=3, optimizer="adamw", timeout_s=60, profile=True, profile_steps=(1, 2))
+                  steps=3, optimizer="adamw", timeout_s=60, profile=True, profile_steps=(1, 2), corpus="synthetic")
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_nsys_starts_actors_under_nsight_or_fails_fast(tmp_path):
     env = {**os.environ, "PATH": f"{stub_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
            "NSYS_STUB_LOG": str(log)}
     args = [sys.executable, "scripts/prof_steps_ray.py", "--model", "bert-tiny", "--stages", "2", "--micro-batches",
-            "2", "--seq-len", "16", "--steps", "1", "--nsys", "--no-progress", "--out", str(tmp_path / "m.jsonl")]
+            "2", "--seq-len", "16", "--corpus", "synthetic", "--steps", "1", "--nsys", "--no-progress", "--out", str(tmp_path / "m.jsonl")]
     p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     calls = log.read_text().splitlines()
