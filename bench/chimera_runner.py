@@ -26,7 +26,7 @@ class ChimeraRow:
     """A running chimera job for one schedule of a workload; a context manager."""
 
     def __init__(self, w: Workload, schedule: str, steps: int) -> None:
-        self.job = RayJob(chimera_config(w, schedule, steps))
+        self.job = RayJob(chimera_config(w, schedule, steps), connect_timeout_s=300.0)
         self.worker_times: list[float] = []
 
     def __enter__(self) -> ChimeraRow:

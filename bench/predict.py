@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -20,7 +20,7 @@ from chimera.models import build_stage, partition
 from chimera.schedule import Costs, build_schedule, simulate
 
 
-@lru_cache(maxsize=None)
+@cache
 def profile_stages(w: Workload, parts: int, reps: int = 5) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Median forward and backward seconds of one micro-batch for each of the ``parts`` stages (1 thread)."""
     model = w.build(parts)

@@ -237,7 +237,7 @@ class TorchPPGroup:
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in got]
                 if dead:
-                    raise RuntimeError(f"torch.pp rank {dead[0]} exited with code {self.procs[dead[0]].exitcode}")
+                    raise RuntimeError(f"torch.pp rank {dead[0]} exited with code {self.procs[dead[0]].exitcode}") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"torch.pp ranks {sorted(set(range(len(self.procs))) - set(got))} "
                                        f"gave no '{kind}' within {self.timeout_s:g} s") from None
