@@ -70,6 +70,6 @@ def write_results(path: Path, command: str, workloads: list[Workload], reps: int
             "host all four torch schedules of a workload, so their rows share one figure).\n\n"
             f"{table}\n\nTargets:\n\n" + "\n".join(checks) + "\n" + (f"\n{notes}\n" if notes else ""))
     text = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(SECTION)} \(`bench/vs_torch_pipelining.py`\).*?(?=^## |\Z)", re.S | re.M)
     text = pattern.sub(lambda _: body + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + body
     path.write_text(text)
