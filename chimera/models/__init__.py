@@ -1,8 +1,8 @@
 """Transformer models decomposed into ordered layers, presets, partitioning and pipeline stages."""
 
+from typing import Any
+
 from chimera.models.base import LayeredModel, TensorSpec, layer_seed
-from chimera.models.bert import BertPretraining
-from chimera.models.gpt2 import GPT2LM
 from chimera.models.partition import partition
 from chimera.models.presets import PRESETS, build_model
 from chimera.models.stage import SequentialModel, StageModule, build_stage
@@ -20,3 +20,16 @@ __all__ = [
     "layer_seed",
     "partition",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``BertPretraining`` and ``GPT2LM`` import transformers, so they load on first use."""
+    if name == "BertPretraining":
+        from chimera.models.bert import BertPretraining
+
+        return BertPretraining
+    if name == "GPT2LM":
+        from chimera.models.gpt2 import GPT2LM
+
+        return GPT2LM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

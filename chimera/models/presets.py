@@ -10,12 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from transformers import BertConfig, GPT2Config
-
 from chimera.models.base import LayeredModel
-from chimera.models.bert import BertPretraining
 from chimera.models.delay import DelayConfig, DelayModel
-from chimera.models.gpt2 import GPT2LM
 
 _BERT_DETERMINISTIC = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 _GPT2_DETERMINISTIC = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -78,11 +74,22 @@ PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
     "delay": lambda: {"family": "delay", "seq_len": 1, "config": {"num_blocks": 4, "hidden_size": 16, "fwd_s": 0.05}},
 }
 
-_FAMILIES: dict[str, tuple[type, type[LayeredModel]]] = {
-    "bert": (BertConfig, BertPretraining),
-    "gpt2": (GPT2Config, GPT2LM),
-    "delay": (DelayConfig, DelayModel),
-}
+def _family(family: str) -> tuple[type, type[LayeredModel]]:
+    """Config and model class of ``family``; transformers is imported only for the families that need it
+    (importing it costs ~3 s of CPU, paid by every worker process of a delay-model run otherwise)."""
+    if family == "bert":
+        from transformers import BertConfig
+
+        from chimera.models.bert import BertPretraining
+
+        return BertConfig, BertPretraining
+    if family == "gpt2":
+        from transformers import GPT2Config
+
+        from chimera.models.gpt2 import GPT2LM
+
+        return GPT2Config, GPT2LM
+    return DelayConfig, DelayModel
 
 
 def build_model(name: str, *, seq_len: int | None = None, **overrides: Any) -> LayeredModel:
@@ -93,7 +100,7 @@ def build_model(name: str, *, seq_len: int | None = None, **overrides: Any) -> L
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))}")
     preset = PRESETS[name]()
-    config_cls, model_cls = _FAMILIES[preset["family"]]
+    config_cls, model_cls = _family(preset["family"])
     config = config_cls(**preset["config"])
     for key, value in overrides.items():
         if not hasattr(config, key):

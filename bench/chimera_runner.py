@@ -1,0 +1,62 @@
+"""The chimera side of ``bench/vs_torch_pipelining.py``: one ``RayJob`` per schedule, kept alive per workload.
+
+Step time: the driver's wall time around ``RayJob.step`` (dispatch to every actor until every result is
+back) — from all workers ready to all workers done, as on the torch.pp side (rank 0 between barriers).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from bench.workloads import Workload
+from chimera.runtime import TrainConfig
+from ray_launch.driver import RayJob
+
+
+def chimera_config(w: Workload, schedule: str, steps: int) -> TrainConfig:
+    """The chimera config for workload ``w`` (same model, split, B, N, optimizer and data as torch.pp)."""
+    return TrainConfig(model=w.model, model_overrides=w.overrides(w.stages), schedule=schedule, stages=w.stages,
+                       micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
+                       steps=steps, optimizer=w.optimizer, lr=1e-3, weight_decay=0.01, clip_grad=0.0, threads=1,
+                       seed=w.seed, timeout_s=120.0)
+
+
+class ChimeraRow:
+    """A running chimera job for one schedule of a workload; a context manager."""
+
+    def __init__(self, w: Workload, schedule: str, steps: int) -> None:
+        self.job = RayJob(chimera_config(w, schedule, steps), connect_timeout_s=300.0)
+        self.worker_times: list[float] = []
+
+    def __enter__(self) -> ChimeraRow:
+        self.job.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.job.__exit__(*exc)
+
+    @property
+    def pids(self) -> list[int]:
+        return [int(i["pid"]) for i in self.job.infos]
+
+    def step(self, step: int) -> float:
+        """Run one step; return the driver-observed wall time (worker-side max is kept in ``worker_times``)."""
+        t0 = time.perf_counter()
+        rec = self.job.step(step)
+        dt = time.perf_counter() - t0
+        self.worker_times.append(float(rec["step_time_s"]))
+        return dt
+
+
+def peak_rss_mib(pids: list[int]) -> float | None:
+    """Largest peak resident set (VmHWM) among ``pids``, in MiB (Linux /proc); None if unreadable."""
+    peaks = []
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peaks.append(int(line.split()[1]) / 1024)
+        except OSError:
+            continue
+    return max(peaks) if peaks else None

@@ -1,0 +1,75 @@
+"""Table, target checks and the ``bench/RESULTS.md`` section of ``bench/vs_torch_pipelining.py``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from bench.workloads import Workload
+
+SECTION = "## chimera vs torch.distributed.pipelining"
+COLUMNS = ["workload", "system", "schedule", "stages (split)", "N", "median step s", "samples/s",
+           "ratio to torch.pp 1F1B", "predicted s", "measured / predicted", "peak RSS MiB/worker", "note"]
+
+
+def _f(v: float | None, fmt: str = ".3f") -> str:
+    return "—" if v is None else format(v, fmt)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of all rows."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        m, p = r.get("median_step_s"), r.get("predicted_step_s")
+        cells = [r["workload"], r["system"], r["schedule"], f"{r['stages']} ({r['split']})", str(r["micro_batches"]),
+                 _f(m), _f(r.get("samples_per_s"), ".1f"), _f(r.get("ratio_to_torch_1f1b")), _f(p),
+                 _f(m / p if m and p else None), _f(r.get("peak_rss_mib"), ".0f"), r["note"] or ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _row(rows: list[dict[str, Any]], workload: str, system: str, schedule: str) -> dict[str, Any] | None:
+    return next((r for r in rows if (r["workload"], r["system"], r["schedule"]) == (workload, system, schedule)), None)
+
+
+def targets(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per target of issue 8: ok or MISSED with the figures."""
+    out = []
+    r = _row(rows, "delay-d4-n4", "chimera", "chimera")
+    if r and r["ratio_to_torch_1f1b"] is not None:
+        ok = r["ratio_to_torch_1f1b"] <= 0.77
+        out.append(f"- delay-d4-n4: chimera Chimera / torch.pp 1F1B = {r['ratio_to_torch_1f1b']:.3f} (target <= 0.77, "
+                   f"theory 0.76): {'ok' if ok else 'MISSED'}")
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        c = _row(rows, w, "chimera", "1f1b")
+        if c and c["ratio_to_torch_1f1b"] is not None:
+            ok = c["ratio_to_torch_1f1b"] <= 1.03
+            out.append(f"- {w}: chimera 1F1B / torch.pp 1F1B = {c['ratio_to_torch_1f1b']:.3f} (target <= 1.03): "
+                       f"{'ok' if ok else 'MISSED'}")
+    for r in rows:
+        if r["system"] == "chimera" and r["workload"].startswith("delay") and r["median_step_s"] and r["predicted_step_s"]:
+            dev = r["median_step_s"] / r["predicted_step_s"] - 1
+            out.append(f"- {r['workload']} {r['system']} {r['schedule']}: measured / predicted - 1 = {dev:+.3f} "
+                       f"(target within ±0.05): {'ok' if abs(dev) <= 0.05 else 'MISSED'}")
+    return out
+
+
+def write_results(path: Path, command: str, workloads: list[Workload], reps: int, warmup: int, table: str,
+                  checks: list[str], notes: str = "") -> None:
+    """Replace (or append) this benchmark's section of ``path``; other sections stay as they are."""
+    desc = ", ".join(f"{w.name} ({w.model}, D={w.stages}, N={w.micro_batches}, B={w.micro_batch_size}"
+                     + (f", tf={w.tf:g} s" if w.is_delay else f", seq {w.seq_len}") + ")" for w in workloads)
+    body = (f"{SECTION} (`bench/vs_torch_pipelining.py`)\n\n"
+            f"Command: `{command}`\n\n"
+            f"Workloads: {desc}. {reps} measured repetitions per row after {warmup} warm-up, rows alternating "
+            "in rotating order within each repetition; median step time. Step time for both systems: wall time "
+            "from all workers ready to all workers done, including the optimizer step, seen by the starter "
+            "(torch.pp: rank 0 between two barriers; chimera: the Ray driver around `RayJob.step`). One thread "
+            "per worker on both sides. Peak RSS: the largest VmHWM among a row's workers (the torch.pp processes "
+            "host all four torch schedules of a workload, so their rows share one figure).\n\n"
+            f"{table}\n\nTargets:\n\n" + "\n".join(checks) + "\n" + (f"\n{notes}\n" if notes else ""))
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)} \(`bench/vs_torch_pipelining.py`\).*?(?=^## |\Z)", re.S | re.M)
+    text = pattern.sub(lambda _: body + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + body
+    path.write_text(text)

@@ -1,0 +1,160 @@
+"""chimera on Ray vs torch.distributed.pipelining on identical work, alternating A/B in one run.
+
+For every workload (delay model: forward sleeps tf, backward 2·tf per stage; tiny BERT with one thread per
+worker) this starts, once, one torch.pp process group (gloo, torch.multiprocessing forkserver, one process
+per rank hosting GPipe, 1F1B, Interleaved1F1B and DualPipeV) and one chimera RayJob per schedule (Chimera,
+1F1B, GPipe) on one local Ray. Each repetition then runs one step of every row, in an order rotated by one
+row per repetition so drift hits all rows alike; the first ``--warmup`` repetitions are discarded.
+
+Step time, the same definition for both systems: wall time from all workers ready to all workers done,
+seen by the process that starts the step (torch.pp: rank 0 between two barriers; chimera: the Ray driver
+around ``RayJob.step``), including the optimizer step. Predictions: chimera's simulator on the same
+schedule (delay: F = tf, B = 2·tf; BERT: per-stage F/B profiled here with one thread).
+
+Usage: python bench/vs_torch_pipelining.py [--reps 5] [--quick] [--workloads delay-d4-n4,...] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ray  # noqa: E402
+
+from bench.chimera_runner import ChimeraRow, peak_rss_mib  # noqa: E402
+from bench.predict import predicted_step_s  # noqa: E402
+from bench.report import format_table, targets, write_results  # noqa: E402
+from bench.torchpp_runner import TORCH_SCHEDULES, TorchPPGroup  # noqa: E402
+from bench.workloads import WORKLOADS, Workload  # noqa: E402
+
+CHIMERA_SCHEDULES = ["chimera", "1f1b", "gpipe"]
+
+
+def rows_of(w: Workload) -> list[dict[str, Any]]:
+    """Every (system, schedule) row of workload ``w``; infeasible ones carry a ``note`` and no timings."""
+    rows = []
+    for name, ts in TORCH_SCHEDULES.items():
+        why = ts.feasible(w.stages, w.micro_batches, w.build(w.stages * ts.per_rank).num_layers)
+        split = f"{w.stages * ts.per_rank} ({ts.per_rank}/rank{', V' if ts.style == 'v' and ts.per_rank == 2 else ''})"
+        rows.append({"system": "torch.pp", "schedule": name, "split": split, "note": why or ""})
+    for name in CHIMERA_SCHEDULES:
+        split = f"{w.stages} (2/rank, replicas)" if name == "chimera" else f"{w.stages} (1/rank)"
+        rows.append({"system": "chimera", "schedule": name, "split": split, "note": ""})
+    for r in rows:
+        r.update(workload=w.name, stages=w.stages, micro_batches=w.micro_batches, times=[])
+    return rows
+
+
+def run_workload(w: Workload, reps: int, warmup: int, log: Any) -> list[dict[str, Any]]:
+    """Start both systems for ``w``, alternate steps over the rows, return the rows with their times."""
+    rows = rows_of(w)
+    live = [r for r in rows if not r["note"]]
+    torch_names = [r["schedule"] for r in live if r["system"] == "torch.pp"]
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(4) as pool:
+        # start the chimera jobs in threads, so all actors import torch while the torch.pp group starts
+        chimera_rows = {r["schedule"]: ChimeraRow(w, r["schedule"], warmup + reps) for r in live
+                        if r["system"] == "chimera"}
+        for c in chimera_rows.values():
+            stack.callback(c.__exit__, None, None, None)
+        futures = [pool.submit(c.__enter__) for c in chimera_rows.values()]
+        group = stack.enter_context(TorchPPGroup(w, torch_names))
+        for f in futures:
+            f.result()
+        runners: dict[tuple[str, str], Any] = {("torch.pp", n): group for n in torch_names}
+        runners.update({("chimera", n): c for n, c in chimera_rows.items()})
+        log(f"  {w.name}: started {len(live)} rows in {time.perf_counter() - t_start:.1f} s")
+        for k in range(warmup + reps):
+            order = live[k % len(live):] + live[:k % len(live)]
+            for r in order:
+                runner = runners[(r["system"], r["schedule"])]
+                dt = runner.step(r["schedule"], k) if r["system"] == "torch.pp" else runner.step(k)
+                if k >= warmup:
+                    r["times"].append(dt)
+        for r in live:
+            runner = runners[(r["system"], r["schedule"])]
+            r["peak_rss_mib"] = peak_rss_mib(runner.pids)
+            if r["system"] == "chimera":
+                r["worker_step_s"] = statistics.median(runner.worker_times[warmup:])
+    log(f"  {w.name}: done in {time.perf_counter() - t_start:.1f} s")
+    return rows
+
+
+def finish(rows: list[dict[str, Any]], w: Workload) -> None:
+    """Medians, samples/s, ratio to torch.pp 1F1B and the simulator's prediction, in place."""
+    for r in rows:
+        r["median_step_s"] = statistics.median(r["times"]) if r["times"] else None
+        samples = w.micro_batches * w.micro_batch_size
+        r["samples_per_s"] = samples / r["median_step_s"] if r["median_step_s"] else None
+        r["predicted_step_s"] = None if r["note"] else predicted_step_s(w, r["system"], r["schedule"])
+    ref = next(r["median_step_s"] for r in rows if r["system"] == "torch.pp" and r["schedule"] == "1f1b")
+    for r in rows:
+        r["ratio_to_torch_1f1b"] = r["median_step_s"] / ref if r["median_step_s"] and ref else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5, help="measured repetitions per row")
+    ap.add_argument("--warmup", type=int, default=2, help="discarded repetitions per row")
+    ap.add_argument("--quick", action="store_true", help="one measured repetition (and one warm-up) per row")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {', '.join(WORKLOADS)}")
+    ap.add_argument("--tf", type=float, default=None, help="delay model forward seconds per stage (default 0.05)")
+    ap.add_argument("--json", default=None, help="write the rows as a JSON list to this path")
+    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")),
+                    help="markdown file to update with the table ('-': do not write)")
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        ap.error(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
+    reps, warmup = (1, 1) if args.quick else (args.reps, args.warmup)
+    workloads = [WORKLOADS[n] for n in names]
+    if args.tf is not None:
+        from dataclasses import replace
+        workloads = [replace(w, tf=args.tf) if w.is_delay else w for w in workloads]
+    command = "python bench/vs_torch_pipelining.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    cpus = 3 * max(w.stages for w in workloads) + 2
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
+    all_rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    try:
+        for w in workloads:
+            rows = run_workload(w, reps, warmup, log)
+            finish(rows, w)
+            all_rows.extend(rows)
+    finally:
+        ray.shutdown()
+    header = (f"# vs torch.distributed.pipelining: {reps} measured + {warmup} warm-up repetitions per row, "
+              f"{time.perf_counter() - t0:.0f} s")
+    table = format_table(all_rows)
+    checks = targets(all_rows)
+    print(header)
+    print(table)
+    print("\n".join(checks))
+    out_rows = [{k: v for k, v in r.items()} for r in all_rows]
+    if args.json:
+        Path(args.json).write_text(json.dumps(out_rows, indent=1) + "\n")
+    if args.results != "-":
+        write_results(Path(args.results), command, workloads, reps, warmup, table, checks)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

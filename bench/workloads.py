@@ -1,0 +1,92 @@
+"""Workloads of ``bench/vs_torch_pipelining.py``: one model, D, N, B and the data both systems read.
+
+Both systems build their stages from chimera's layered models (``build_model`` + ``partition`` +
+``build_stage``) with the same seed, and read the same micro-batches from chimera's synthetic datasets, so
+the work per step is identical. A schedule that places two stages per rank (torch's Interleaved1F1B and
+DualPipeV) splits the same model into 2·D parts; for the delay model the 2·D blocks sleep tf/2 each, so the
+work per rank stays the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from chimera.data import build_dataset
+from chimera.models import LayeredModel, build_model
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One row group of the table: model, pipeline depth D, micro-batches N, micro-batch size B."""
+
+    name: str
+    model: str
+    stages: int
+    micro_batches: int
+    micro_batch_size: int
+    seq_len: int
+    tf: float | None = None  # delay model: forward seconds per stage (backward 2·tf)
+    seed: int = 1234
+
+    @property
+    def is_delay(self) -> bool:
+        return self.model == "delay"
+
+    @property
+    def optimizer(self) -> str:
+        return "sgd" if self.is_delay else "adamw"
+
+    def overrides(self, parts: int) -> dict[str, Any]:
+        """Model overrides for a split into ``parts`` stages (the delay model gets one block per stage)."""
+        if not self.is_delay:
+            return {}
+        assert self.tf is not None
+        return {"num_blocks": parts, "fwd_s": self.tf * self.stages / parts}
+
+    def build(self, parts: int) -> LayeredModel:
+        """The layered model as split into ``parts`` stages."""
+        return build_model(self.model, seq_len=self.seq_len, **self.overrides(parts))
+
+    def batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The whole step's mini-batch for torch.pp: first-stage positional inputs and one packed target.
+
+        Micro-batch ``m`` of step ``step`` is exactly what chimera's workers read for (step, m, dp 0);
+        torch.pp splits the concatenation along dim 0 back into the same N micro-batches.
+        """
+        model = self.build(self.stages)
+        ds = build_dataset(model, self.micro_batch_size, self.seq_len, self.seed)
+        ins, tgts = [], []
+        for m in range(self.micro_batches):
+            inputs, labels = ds.get(step, m, 0)
+            ins.append(tuple(inputs[k] for k in input_keys(model)))
+            tgts.append(pack_target(model, labels))
+        args = tuple(torch.cat([x[i] for x in ins]) for i in range(len(ins[0])))
+        return args, torch.cat(tgts)
+
+
+def input_keys(model: LayeredModel) -> tuple[str, ...]:
+    """Names of the first stage's positional inputs under torch.pp."""
+    return ("x",) if model.family == "delay" else ("input_ids", "token_type_ids", "attention_mask")
+
+
+def pack_target(model: LayeredModel, labels: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Labels as one tensor with the batch in dim 0 (torch.pp splits ``target`` along dim 0)."""
+    if model.family == "delay":
+        return labels["y"]
+    return torch.cat([labels["labels"], labels["next_sentence_label"][:, None]], dim=1)
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in [
+        Workload("delay-d4-n4", "delay", 4, 4, 2, 64, tf=0.05),
+        Workload("delay-d4-n8", "delay", 4, 8, 2, 64, tf=0.05),
+        Workload("delay-d8-n8", "delay", 8, 8, 2, 64, tf=0.05),
+        Workload("bert-d2-n4", "bert-tiny", 2, 4, 4, 64),
+        Workload("bert-d2-n8", "bert-tiny", 2, 8, 4, 64),
+        Workload("bert-d4-n8", "bert-tiny", 4, 8, 4, 64),
+    ]
+}
