@@ -82,6 +82,8 @@ class PipelineWorker:
             self.device = torch.device("cpu")
             backend = "gloo"
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // max(1, self.world_size)))
+        if self.device.type == "cpu":
+            _keep_freed_memory()
         dist.init_process_group(backend, init_method=self.init_method, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=cfg.timeout_s))
         model, sched = self.plan.model, self.schedule
@@ -356,6 +358,26 @@ class PipelineWorker:
         """Leave the process group."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _keep_freed_memory() -> None:
+    """Stop glibc from handing freed activation memory back to the kernel after every micro-batch.
+
+    With glibc's defaults, tensors above the (dynamic) mmap threshold are mmap'ed and munmap'ed one by one
+    and the heap top is trimmed, so every forward after a backward page-faults fresh, zeroed pages: in 1F1B
+    on CPU that cost ~3,000 minor faults per action on BERT-tiny's head stage (+20 % step time over GPipe,
+    which frees in bulk). Keeping allocations up to 32 MiB on the heap and never trimming it lets the next
+    micro-batch reuse the pages, as a caching allocator does on GPU. No-op where glibc's mallopt is absent.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 * 2**20)
+        libc.mallopt(m_trim_threshold, 2**30)
+    except (OSError, AttributeError):
+        pass
 
 
 def _unique(params: Any) -> list[torch.nn.Parameter]:
