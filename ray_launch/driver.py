@@ -66,24 +66,47 @@ def _bundle(cfg: TrainConfig) -> dict[str, float]:
 
 
 def _gather(refs: Sequence[Any], what: str, timeout_s: float) -> list[Any]:
-    """ray.get with a deadline; the first failure is reported with the rank that raised it."""
+    """ray.get with a deadline; a failure is reported with the rank that raised it.
+
+    The common case costs two Ray calls (one wait for all, one get). While some workers are still running,
+    finished ones are checked every second so that an early failure is reported at once; when several
+    workers failed, a root cause is preferred over the stalls it caused on its peers.
+    """
     rank_of = {ref: r for r, ref in enumerate(refs)}
     pending = list(refs)
     deadline = time.monotonic() + timeout_s
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            ranks = sorted(rank_of[r] for r in pending)
-            raise RunError(f"{what}: worker(s) {ranks} gave no answer within {timeout_s:g} s")
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except RayTaskError as e:
-                cause = e.cause if getattr(e, "cause", None) is not None else e
-                raise RunError(f"worker {rank_of[ref]} failed in {what}: {type(cause).__name__}: {cause}") from None
-            except RayActorError as e:
-                raise RunError(f"worker {rank_of[ref]} died in {what}: {e}") from None
-    return ray.get(list(refs))
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RunError(f"{what}: worker(s) {sorted(rank_of[r] for r in pending)} gave no answer within "
+                           f"{timeout_s:g} s")
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(remaining, 1.0))
+        if pending:
+            for ref in ready:
+                _raise_if_failed(ref, rank_of[ref], what)
+    try:
+        return ray.get(list(refs))
+    except (RayTaskError, RayActorError):
+        errors = [e for ref in refs if (e := _failure(ref, rank_of[ref], what)) is not None]
+        root = [e for e in errors if "stalled" not in str(e)]
+        raise (root or errors)[0] from None
+
+
+def _failure(ref: Any, rank: int, what: str) -> RunError | None:
+    try:
+        ray.get(ref)
+    except RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        return RunError(f"worker {rank} failed in {what}: {type(cause).__name__}: {cause}")
+    except RayActorError as e:
+        return RunError(f"worker {rank} died in {what}: {e}")
+    return None
+
+
+def _raise_if_failed(ref: Any, rank: int, what: str) -> None:
+    err = _failure(ref, rank, what)
+    if err is not None:
+        raise err
 
 
 class RayJob:
