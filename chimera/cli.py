@@ -236,6 +236,9 @@ def cmd_timeline_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from ray_launch import keep_local_ray_on_loopback
+
+    keep_local_ray_on_loopback(["--address"] if args.address else [])
     from ray_launch.driver import run_from_args  # Ray is imported only for this command
 
     return run_from_args(args)

@@ -1,1 +1,20 @@
 """Ray driver, actors and cluster configuration for chimera."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+
+def keep_local_ray_on_loopback(argv: Sequence[str]) -> None:
+    """Before Ray is imported: when the command line joins no cluster (no ``--address``), make the local
+    Ray that the driver starts bind 127.0.0.1 only.
+
+    Ray's servers otherwise listen on every interface even with ``_node_ip_address="127.0.0.1"``; with
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read when Ray is imported) they use the loopback address, as
+    Ray does on laptops. Token authentication stays on either way.
+    """
+    joins = any(a == "--address" or a.startswith("--address=") for a in argv)
+    if not joins and "ray" not in sys.modules:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
