@@ -95,6 +95,17 @@ def replay(
         done[key] = t
         stack.extend(waiting.pop(key, ()))
 
+    def wait_for(w: int, i: int, key: Key, why: str) -> bool:
+        """Blocking action ``i`` of worker ``w`` on ``key``: False (and registered) if not done yet."""
+        if key not in done:
+            waiting.setdefault(key, []).append(w)
+            blocked[w] = why
+            return False
+        starts[w][i] = clock[w]
+        clock[w] = max(clock[w], done[key])
+        ends[w][i] = clock[w]
+        return True
+
     def advance(w: int) -> None:
         row = rows[w]
         while pc[w] < len(row):
@@ -126,14 +137,8 @@ def replay(
                 if k.is_send:  # eager: the message leaves now and arrives p2p() later
                     starts[w][i] = ends[w][i] = clock[w]
                     finish(key, clock[w] + p2p(key[1:]))
-                else:
-                    if key not in done:
-                        waiting.setdefault(key, []).append(w)
-                        blocked[w] = f"{a.text()} waits for worker {peer} to send it"
-                        return
-                    starts[w][i] = clock[w]
-                    clock[w] = max(clock[w], done[key])
-                    ends[w][i] = clock[w]
+                elif not wait_for(w, i, key, f"{a.text()} waits for worker {peer} to send it"):
+                    return
                 pc[w] = i + 1
             elif k is Kind.ALLREDUCE_START:
                 starts[w][i] = ends[w][i] = clock[w]
@@ -143,14 +148,9 @@ def replay(
                 if len(arr) == replicas[a.stage]:
                     finish(("AR", a.stage), max(arr) + allreduce(a.stage))
             elif k is Kind.ALLREDUCE_WAIT:
-                key = ("AR", a.stage)
-                if key not in done:
-                    waiting.setdefault(key, []).append(w)
-                    blocked[w] = f"{a.text()} waits for the other replicas of stage {a.stage} to start the allreduce"
+                why = f"{a.text()} waits for the other replicas of stage {a.stage} to start the allreduce"
+                if not wait_for(w, i, ("AR", a.stage), why):
                     return
-                starts[w][i] = clock[w]
-                clock[w] = max(clock[w], done[key])
-                ends[w][i] = clock[w]
                 pc[w] = i + 1
             else:  # OPTIMIZER_STEP
                 starts[w][i] = clock[w]
