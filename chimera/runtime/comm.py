@@ -53,6 +53,8 @@ class Communicator:
         self.timeout_s = timeout_s
         self.name = worker_name or f"worker {rank}"
         self.backend = dist.get_backend()
+        # gloo posts each op independently; NCCL orders a communicator's ops on one stream
+        self.prefetch_recvs = self.backend == "gloo"
         world = dist.get_world_size()
         self.pipe_groups = {pipe: dist.new_group(list(range(world))) for pipe in schedule.pipes}
         self.stage_groups: dict[int, dist.ProcessGroup] = {}
@@ -107,6 +109,14 @@ class Communicator:
                 works[i] = w
         return works
 
+    def p2p(self, is_send: bool, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None) -> dist.Work:
+        """Post one send or receive of ``t`` to/from global rank ``peer`` in ``group`` (one byte in single-byte mode)."""
+        buf = self._payload(t)
+        if is_send:
+            self._sizes[buf.numel() * buf.element_size()] += 1
+            return dist.isend(buf, peer, group=group)
+        return dist.irecv(buf, peer, group=group)
+
     def allreduce_async(self, t: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, dist.Work]:
         """Start a SUM allreduce of ``t`` (one byte in single-byte mode); returns (result tensor, work)."""
         buf = self._payload(t)
@@ -140,12 +150,21 @@ class Communicator:
 
 
 class GradBuckets:
-    """Bucketed, asynchronous SUM-allreduce of a set of parameters' gradients over one group."""
+    """Bucketed, asynchronous SUM-allreduce of a set of parameters' gradients over one group.
+
+    Where the group is a pair of replicas and receives may be posted early (gloo), the sum is an exchange:
+    :meth:`prepost` posts the receive of the peer's bucket at the start of the step, :meth:`start` sends
+    this replica's bucket, :meth:`wait` adds the two. That is one message latency instead of the two
+    rounds of a two-rank ring allreduce, for the same bytes; both replicas compute ``a + b == b + a``
+    bitwise. Other groups use ``all_reduce``.
+    """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None, comm: Communicator,
-                 bucket_bytes: int = 25 * 2**20) -> None:
+                 ranks: Sequence[int] = (), bucket_bytes: int = 25 * 2**20) -> None:
         self.group = group
         self.comm = comm
+        others = [r for r in ranks if r != comm.rank]
+        self.peer = others[0] if len(ranks) == 2 and len(others) == 1 and comm.prefetch_recvs else None
         self.buckets: list[list[torch.nn.Parameter]] = []
         size = 0
         for p in params:
@@ -154,20 +173,39 @@ class GradBuckets:
                 size = 0
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
-        self._pending: list[tuple[list[torch.nn.Parameter], torch.Tensor, dist.Work]] = []
+        self._incoming: list[tuple[torch.Tensor, dist.Work]] = []
+        self._pending: list[tuple[list[torch.nn.Parameter], torch.Tensor, list[dist.Work], torch.Tensor | None]] = []
+
+    def prepost(self) -> None:
+        """Post the receives of the peer's buckets (exchange mode only; once per step, before :meth:`start`)."""
+        if self.peer is None or self._incoming:
+            return
+        for bucket in self.buckets:
+            buf = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            self._incoming.append((buf, self.comm.p2p(False, buf, self.peer, self.group)))
 
     def start(self) -> None:
-        """Launch the allreduce of every bucket (non-blocking)."""
-        for bucket in self.buckets:
+        """Launch the sum of every bucket (non-blocking)."""
+        if self.peer is not None:
+            self.prepost()
+        for i, bucket in enumerate(self.buckets):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
             flat = _flatten_dense_tensors(grads)
-            flat, work = self.comm.allreduce_async(flat, self.group)
-            self._pending.append((bucket, flat, work))
+            if self.peer is None:
+                flat, work = self.comm.allreduce_async(flat, self.group)
+                self._pending.append((bucket, flat, [work], None))
+            else:
+                buf, recv = self._incoming[i]
+                self._pending.append((bucket, flat, [recv, self.comm.p2p(True, flat, self.peer, self.group)], buf))
+        self._incoming.clear()
 
     def wait(self, what: str) -> None:
-        """Wait for the allreduces and write the summed gradients back."""
-        for bucket, flat, work in self._pending:
-            self.comm.wait(work, what)
+        """Wait for the sums and write them back into the gradients."""
+        for bucket, flat, works, peer_flat in self._pending:
+            for work in works:
+                self.comm.wait(work, what)
+            if peer_flat is not None and not self.comm.single_byte:
+                flat.add_(peer_flat)
             for p, g in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 if p.grad is None:
                     p.grad = g.clone()

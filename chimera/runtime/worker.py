@@ -68,6 +68,15 @@ class PipelineWorker:
         self.dp_rank = rank // self.schedule.workers
         self.name = f"worker {rank} (group {self.dp_rank}, position {self.worker})"
         self.actions = self.schedule.actions[self.worker]
+        # one segment per compute action or communication batch (a run of send/recv actions)
+        self.segments: list[list[Action]] = []
+        for a in self.actions:
+            if a.kind.is_p2p and self.segments and self.segments[-1][0].kind.is_p2p:
+                self.segments[-1].append(a)
+            else:
+                self.segments.append([a])
+        comm_idx = [k for k, seg in enumerate(self.segments) if seg[0].kind.is_p2p]
+        self.next_comm = dict(zip(comm_idx, comm_idx[1:]))
 
     # -- set-up ------------------------------------------------------------------------------------
     def setup(self) -> dict[str, Any]:
@@ -110,7 +119,8 @@ class PipelineWorker:
         for (pipe, s), mod in self.stages.items():
             if s in self.comm.stage_groups:
                 params = [p for p in _unique(mod.parameters()) if id(p) not in tied_ids]
-                self.buckets[(pipe, s)] = GradBuckets(params, self.comm.stage_groups[s], self.comm)
+                self.buckets[(pipe, s)] = GradBuckets(params, self.comm.stage_groups[s], self.comm,
+                                                     sched.stage_group(s))
         self.params = _unique(p for mod in self.stages.values() for p in mod.parameters())
         self.optimizer = build_optimizer(self.params, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.lr_schedule = warmup_decay_schedule(self.optimizer, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps),
@@ -165,22 +175,17 @@ class PipelineWorker:
         if rec:
             rec.start_step(step)
         self.comm.start_step()
-        acts = self.actions
-        i = 0
-        while i < len(acts):
-            a = acts[i]
-            j = i + 1
-            if a.kind.is_p2p:
-                while j < len(acts) and acts[j].kind.is_p2p:
-                    j += 1
-            mark = rec.begin(acts[i:j]) if rec else None
-            if j > i + 1 or a.kind.is_p2p:
-                self._comm_batch(acts[i:j])
+        for buckets in self.buckets.values():
+            buckets.prepost()
+        self.prefetched: dict[int, list[tuple[Action, tuple[torch.Tensor, ...], list[Any]]]] = {}
+        for k, batch in enumerate(self.segments):
+            mark = rec.begin(batch) if rec else None
+            if batch[0].kind.is_p2p:
+                self._comm_batch(k)
             else:
-                self._run(a)
+                self._run(batch[0])
             if rec:
-                rec.end(acts[i:j], mark)
-            i = j
+                rec.end(batch, mark)
         events = rec.finish() if rec else []
         loss_sum = float(self.loss_sum)
         elapsed = time.perf_counter() - t_start
@@ -288,34 +293,63 @@ class PipelineWorker:
                                                                  self.plan.model.seq_len) if s.requires_grad]
         return tuple(torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs)
 
-    def _comm_batch(self, batch: list[Action]) -> None:
+    def _comm_batch(self, k: int) -> None:
+        """Post segment ``k``'s sends (and its receives unless prefetched), wait for its receives.
+
+        On gloo the receives of the next communication batch are posted here too, one compute action
+        early: gloo moves a message only once its receive is posted, so a receive posted at the last
+        moment costs a notify round trip on the critical path, and one posted early finds the data there.
+        Per channel the receives are still posted in schedule order, so messages match as validated.
+        Not on NCCL, where an early receive would block later sends on the same stream.
+        """
         sched = self.schedule
+        batch = self.segments[k]
         ops: list[tuple[str, bool, torch.Tensor, int]] = []
-        owners: list[Action] = []
-        recvs: list[tuple[Action, tuple[torch.Tensor, ...]]] = []
+        owners: list[tuple[Action, list[Any] | None]] = []
         for a in batch:
-            if a.kind is Kind.SEND_ACT:
-                tensors, peer = self.send.pop(("act", a.pipe, a.stage, a.microbatch)), (a.pipe, a.stage + 1)
-            elif a.kind is Kind.SEND_GRAD:
-                tensors, peer = self.send.pop(("grad", a.pipe, a.stage, a.microbatch)), (a.pipe, a.stage - 1)
-            else:
-                tensors = self._recv_buffers(a)
-                peer = (a.pipe, a.stage - 1) if a.kind is Kind.RECV_ACT else (a.pipe, a.stage + 1)
-                recvs.append((a, tensors))
-            rank = self.comm.global_rank(sched.placement[peer])
-            for t in tensors:
-                ops.append((a.pipe, a.kind.is_send, t, rank))
-                owners.append(a)
-        works = self.comm.post(ops)
-        for (_, is_send, t, _), a, w in zip(ops, owners, works):
+            if a.kind.is_send:
+                if a.kind is Kind.SEND_ACT:
+                    tensors, peer = self.send.pop(("act", a.pipe, a.stage, a.microbatch)), (a.pipe, a.stage + 1)
+                else:
+                    tensors, peer = self.send.pop(("grad", a.pipe, a.stage, a.microbatch)), (a.pipe, a.stage - 1)
+                rank = self.comm.global_rank(sched.placement[peer])
+                for t in tensors:
+                    ops.append((a.pipe, True, t, rank))
+                    owners.append((a, None))
+        recvs = self.prefetched.pop(k, None)
+        if recvs is None:
+            recvs = self._recv_ops(batch, ops, owners)
+        ahead = self.next_comm.get(k) if self.comm.prefetch_recvs else None
+        if ahead is not None:
+            self.prefetched[ahead] = self._recv_ops(self.segments[ahead], ops, owners)
+        for (_, is_send, t, _), (a, slot), w in zip(ops, owners, self.comm.post(ops)):
             if is_send:
                 self.send_works.append((w, self._what(a), t))
-        for (_, is_send, _, _), a, w in zip(ops, owners, works):
-            if not is_send:
+            else:
+                slot.append(w)  # type: ignore[union-attr]
+        for a, tensors, works in recvs:
+            for w in works:
                 self.comm.wait(w, self._what(a))
-        for a, tensors in recvs:
             kind = "act" if a.kind is Kind.RECV_ACT else "grad"
             self.recv[(kind, a.pipe, a.stage, a.microbatch)] = tensors
+
+    def _recv_ops(self, batch: list[Action], ops: list[tuple[str, bool, torch.Tensor, int]],
+                  owners: list[tuple[Action, list[Any] | None]]) -> list[tuple[Action, tuple[torch.Tensor, ...],
+                                                                             list[Any]]]:
+        """Append the receives of ``batch`` to ``ops``; return (action, buffers, works filled on post)."""
+        out = []
+        for a in batch:
+            if a.kind.is_send:
+                continue
+            tensors = self._recv_buffers(a)
+            peer = (a.pipe, a.stage - 1) if a.kind is Kind.RECV_ACT else (a.pipe, a.stage + 1)
+            rank = self.comm.global_rank(self.schedule.placement[peer])
+            works: list[Any] = []
+            for t in tensors:
+                ops.append((a.pipe, False, t, rank))
+                owners.append((a, works))
+            out.append((a, tensors, works))
+        return out
 
     # -- optimizer ---------------------------------------------------------------------------------
     def _optimizer_step(self) -> None:
