@@ -28,7 +28,7 @@ def _wait_no_actors(ray, timeout=20.0):
 def test_chimera_on_ray_equals_sequential(ray_session, tmp_path):
     cfg = BASE.replace(schedule="chimera", stages=4, micro_batches=4, model="gpt2-tiny")
     with RayJob(cfg) as job:
-        records = [job.step(s) for s in range(cfg.steps)]
+        records = list(job.steps(range(cfg.steps), ahead=2))  # steps queued on the actors ahead of the driver
         states = job.states()
         nodes = {i["node_id"] for i in job.infos}
     ref_losses, ref = train_sequential(cfg)
@@ -39,6 +39,7 @@ def test_chimera_on_ray_equals_sequential(ray_session, tmp_path):
         for (_, stage), params in state.items():
             for k, v in stage_params_by_layer(params, plan.stage_layers[stage]).items():
                 assert (v - ref[k]).abs().max().item() <= 1e-5
+    assert [r["step"] for r in records] == list(range(cfg.steps))
     assert len(states) == 4 and len(nodes) == 1
     assert _wait_no_actors(ray_session) == []
 
@@ -53,7 +54,8 @@ def test_run_writes_jsonl_metrics(ray_session, tmp_path):
 
 
 def test_stalled_worker_is_named_and_actors_are_gone(ray_session):
-    cfg = BASE.replace(schedule="chimera", stages=2, micro_batches=2, steps=1, timeout_s=3, debug_stall=(1, 30.0))
+    # run() keeps the next step queued on the actors: the failure of step 0 is reported, the queued step dies
+    cfg = BASE.replace(schedule="chimera", stages=2, micro_batches=2, steps=3, timeout_s=3, debug_stall=(1, 30.0))
     t0 = time.monotonic()
     with pytest.raises(RunError) as e:
         run(cfg, progress=False)
