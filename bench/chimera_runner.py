@@ -1,7 +1,9 @@
 """The chimera side of ``bench/vs_torch_pipelining.py``: one ``RayJob`` per schedule, kept alive per workload.
 
-Step time: the driver's wall time around ``RayJob.step`` (dispatch to every actor until every result is
-back) — from all workers ready to all workers done, as on the torch.pp side (rank 0 between barriers).
+Step time: steps run back to back with the next one queued on the actors (``RayJob.steps``, as in
+``ray_launch.driver.run``); the driver-observed time between the results of the last two steps is the last
+step's, from all workers done with the previous step to all workers done with this one — as on the torch.pp
+side (rank 0 between barriers).
 """
 
 from __future__ import annotations
@@ -40,13 +42,15 @@ class ChimeraRow:
     def pids(self) -> list[int]:
         return [int(i["pid"]) for i in self.job.infos]
 
-    def step(self, step: int) -> float:
-        """Run one step; return the driver-observed wall time (worker-side max is kept in ``worker_times``)."""
-        t0 = time.perf_counter()
-        rec = self.job.step(step)
-        dt = time.perf_counter() - t0
-        self.worker_times.append(float(rec["step_time_s"]))
-        return dt
+    def steps(self, steps: list[int]) -> float:
+        """Run ``steps`` back to back (the next one queued while one runs, as ``ray_launch.driver.run`` does);
+        return the driver-observed time between the results of the last two (worker-side max in ``worker_times``)."""
+        done, last = [], {}
+        for rec in self.job.steps(steps, ahead=1):
+            done.append(time.perf_counter())
+            last = rec
+        self.worker_times.append(float(last["step_time_s"]))
+        return done[-1] - done[-2]
 
 
 def peak_rss_mib(pids: list[int]) -> float | None:

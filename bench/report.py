@@ -62,10 +62,12 @@ def write_results(path: Path, command: str, workloads: list[Workload], reps: int
                      + (f", tf={w.tf:g} s" if w.is_delay else f", seq {w.seq_len}") + ")" for w in workloads)
     body = (f"{SECTION} (`bench/vs_torch_pipelining.py`)\n\n"
             f"Command: `{command}`\n\n"
-            f"Workloads: {desc}. {reps} measured repetitions per row after {warmup} warm-up, rows alternating "
-            "in rotating order within each repetition; median step time. Step time for both systems: wall time "
-            "from all workers ready to all workers done, including the optimizer step, seen by the starter "
-            "(torch.pp: rank 0 between two barriers; chimera: the Ray driver around `RayJob.step`). One thread "
+            f"Workloads: {desc}. {reps} measured repetitions per row after {warmup} warm-up; each repetition "
+            "runs two steps of every row back to back, rows alternating in rotating order; median step time. "
+            "Step time for both systems: the second step of the pair, from all workers done with the first to "
+            "all workers done with the second, including the optimizer step (torch.pp: rank 0 between the "
+            "barriers ending the two steps; chimera: the Ray driver between the two results, the second step "
+            "queued on the actors while the first runs, as `ray_launch.driver.run` trains). One thread "
             "per worker on both sides. Peak RSS: the largest VmHWM among a row's workers (the torch.pp processes "
             "host all four torch schedules of a workload, so their rows share one figure).\n\n"
             f"{table}\n\nTargets:\n\n" + "\n".join(checks) + "\n" + (f"\n{notes}\n" if notes else ""))

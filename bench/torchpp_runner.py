@@ -6,8 +6,9 @@ layered model, and torch's schedule classes. One process group hosts every torch
 (each with its own stage modules and optimizer) and runs steps on command, so repetitions alternate
 between systems without restarting processes.
 
-Step time (rank 0): ``barrier; t0; schedule.step(...); tied-weight sum; optimizer.step(); barrier; t1`` —
-wall time from all ranks ready to all ranks done, the same definition as the chimera driver's.
+Step time (rank 0): ``barrier; [schedule.step(...); tied-weight sum; optimizer.step(); barrier]`` per step,
+steps back to back; the time between the last two barriers is the last step's, from all ranks done with the
+previous step to all ranks done with this one. The batches are made before the first barrier.
 """
 
 from __future__ import annotations
@@ -172,15 +173,16 @@ def _worker(w: Workload, names: list[str], rank: int, init: str, cmds: Any, out:
             cmd = cmds.get()
             if cmd is None:
                 break
-            name, step = cmd
-            if step not in batches:
-                batches = {step: w.batch(step)}
-            args, target = batches[step]
+            name, steps = cmd
+            batches = {k: batches[k] if k in batches else w.batch(k) for k in steps}
             dist.barrier()
             t0 = time.perf_counter()
-            runners[name].step(args, target)
-            dist.barrier()
-            out.put(("step", rank, time.perf_counter() - t0))
+            for k in steps:
+                runners[name].step(*batches[k])
+                dist.barrier()
+                t1 = time.perf_counter()
+                dt, t0 = t1 - t0, t1
+            out.put(("step", rank, dt))
         out.put(("done", rank, None))
     except BaseException as e:  # report, then exit
         out.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"))
@@ -248,8 +250,8 @@ class TorchPPGroup:
                 got[rank] = payload
         return got
 
-    def step(self, name: str, step: int) -> float:
-        """Run one step of schedule ``name``; return rank 0's barrier-to-barrier wall time."""
+    def steps(self, name: str, steps: list[int]) -> float:
+        """Run ``steps`` of schedule ``name`` back to back; return rank 0's barrier-to-barrier time of the last."""
         for q in self.cmds:
-            q.put((name, step))
+            q.put((name, list(steps)))
         return float(self._collect("step")[0])

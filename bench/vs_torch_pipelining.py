@@ -3,12 +3,15 @@
 For every workload (delay model: forward sleeps tf, backward 2·tf per stage; tiny BERT with one thread per
 worker) this starts, once, one torch.pp process group (gloo, torch.multiprocessing forkserver, one process
 per rank hosting GPipe, 1F1B, Interleaved1F1B and DualPipeV) and one chimera RayJob per schedule (Chimera,
-1F1B, GPipe) on one local Ray. Each repetition then runs one step of every row, in an order rotated by one
-row per repetition so drift hits all rows alike; the first ``--warmup`` repetitions are discarded.
+1F1B, GPipe) on one local Ray. Each repetition then runs two steps of every row back to back, rows in an
+order rotated by one per repetition so drift hits all rows alike; the first ``--warmup`` repetitions are
+discarded.
 
-Step time, the same definition for both systems: wall time from all workers ready to all workers done,
-seen by the process that starts the step (torch.pp: rank 0 between two barriers; chimera: the Ray driver
-around ``RayJob.step``), including the optimizer step. Predictions: chimera's simulator on the same
+Step time, the same definition for both systems: the second step of the pair in steady state, from all
+workers done with the first step to all workers done with the second, including the optimizer step
+(torch.pp: rank 0 between the barriers that end the two steps; chimera: the Ray driver between the two
+results, with the second step queued on the actors while the first runs, as ``ray_launch.driver.run``
+trains). Predictions: chimera's simulator on the same
 schedule (delay: F = tf, B = 2·tf; BERT: per-stage F/B profiled here with one thread).
 
 Usage: python bench/vs_torch_pipelining.py [--reps 5] [--quick] [--workloads delay-d4-n4,...] [--json PATH]
@@ -39,6 +42,7 @@ from bench.torchpp_runner import TORCH_SCHEDULES, TorchPPGroup  # noqa: E402
 from bench.workloads import WORKLOADS, Workload  # noqa: E402
 
 CHIMERA_SCHEDULES = ["chimera", "1f1b", "gpipe"]
+PAIR = 2  # steps per row and repetition, back to back; the second one is timed (steady state)
 
 
 def rows_of(w: Workload) -> list[dict[str, Any]]:
@@ -64,7 +68,7 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any) -> list[dict[str
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(4) as pool:
         # start the chimera jobs in threads, so all actors import torch while the torch.pp group starts
-        chimera_rows = {r["schedule"]: ChimeraRow(w, r["schedule"], warmup + reps) for r in live
+        chimera_rows = {r["schedule"]: ChimeraRow(w, r["schedule"], PAIR * (warmup + reps)) for r in live
                         if r["system"] == "chimera"}
         for c in chimera_rows.values():
             stack.callback(c.__exit__, None, None, None)
@@ -79,7 +83,8 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any) -> list[dict[str
             order = live[k % len(live):] + live[:k % len(live)]
             for r in order:
                 runner = runners[(r["system"], r["schedule"])]
-                dt = runner.step(r["schedule"], k) if r["system"] == "torch.pp" else runner.step(k)
+                steps = [PAIR * k + i for i in range(PAIR)]
+                dt = runner.steps(r["schedule"], steps) if r["system"] == "torch.pp" else runner.steps(steps)
                 if k >= warmup:
                     r["times"].append(dt)
         for r in live:
