@@ -27,8 +27,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from fractions import Fraction
+
+from chimera.schedule.kinds import KIND_OF_CODE, SPECS, Address, Kind
 
 DOWN = "down"
 UP = "up"
@@ -36,48 +37,13 @@ PIPE_PREFIX = {DOWN: "d", UP: "u"}
 PREFIX_PIPE = {v: k for k, v in PIPE_PREFIX.items()}
 
 
-class Kind(str, Enum):
-    """What an action does."""
-
-    F = "F"
-    B = "B"
-    SEND_ACT = "SEND_ACT"
-    RECV_ACT = "RECV_ACT"
-    SEND_GRAD = "SEND_GRAD"
-    RECV_GRAD = "RECV_GRAD"
-    ALLREDUCE_START = "ALLREDUCE_START"
-    ALLREDUCE_WAIT = "ALLREDUCE_WAIT"
-    OPTIMIZER_STEP = "OPTIMIZER_STEP"
-
-    @property
-    def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.B)
-
-    @property
-    def is_p2p(self) -> bool:
-        return self in _P2P
-
-    @property
-    def is_send(self) -> bool:
-        return self in (Kind.SEND_ACT, Kind.SEND_GRAD)
+def _codes(address: Address) -> str:
+    return "|".join(sorted((s.code for s in SPECS.values() if s.address is address), key=len, reverse=True))
 
 
-_P2P = frozenset({Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD})
-
-# Text codes follow torch.distributed.pipelining where it has one (SEND_F, RECV_B, ...).
-_CODE = {
-    Kind.F: "F",
-    Kind.B: "B",
-    Kind.SEND_ACT: "SEND_F",
-    Kind.RECV_ACT: "RECV_F",
-    Kind.SEND_GRAD: "SEND_B",
-    Kind.RECV_GRAD: "RECV_B",
-    Kind.ALLREDUCE_START: "AR_START",
-    Kind.ALLREDUCE_WAIT: "AR_WAIT",
-}
-_KIND_OF_CODE = {v: k for k, v in _CODE.items()}
-_MB_RE = re.compile(r"^([du]?)(\d+)(F|B|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)(?:-(\d+))?$")
-_AR_RE = re.compile(r"^([du]?)(\d+)(AR_START|AR_WAIT)$")
+_MB_RE = re.compile(rf"^([du]?)(\d+)({_codes(Address.MICROBATCH)})(\d+)(?:-(\d+))?$")
+_STAGE_RE = re.compile(rf"^([du]?)(\d+)({_codes(Address.STAGE)})$")
+_NONE_CODES = {s.code: k for k, s in SPECS.items() if s.address is Address.NONE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +68,14 @@ class Action:
 
     def text(self, with_pipe: bool = True) -> str:
         """Compact text form, e.g. ``d0F3``; without the pipe prefix for single-direction schedules."""
-        if self.kind is Kind.OPTIMIZER_STEP:
-            return "OPT"
+        spec = SPECS[self.kind]
+        if spec.address is Address.NONE:
+            return spec.code
         prefix = PIPE_PREFIX[self.pipe] if with_pipe else ""
-        if self.kind in (Kind.ALLREDUCE_START, Kind.ALLREDUCE_WAIT):
-            return f"{prefix}{self.stage}{_CODE[self.kind]}"
+        if spec.address is Address.STAGE:
+            return f"{prefix}{self.stage}{spec.code}"
         mb = str(self.microbatch) if self.count == 1 else f"{self.microbatch}-{self.microbatch + self.count - 1}"
-        return f"{prefix}{self.stage}{_CODE[self.kind]}{mb}"
+        return f"{prefix}{self.stage}{spec.code}{mb}"
 
     def __str__(self) -> str:
         return self.text()
@@ -117,19 +84,19 @@ class Action:
     def parse(text: str) -> Action:
         """Parse the compact text form; a missing pipe prefix means the down pipe."""
         t = text.strip()
-        if t == "OPT":
-            return Action(Kind.OPTIMIZER_STEP)
+        if t in _NONE_CODES:
+            return Action(_NONE_CODES[t])
         m = _MB_RE.match(t)
         if m:
             pre, stage, code, mb, last = m.groups()
             count = 1 if last is None else int(last) - int(mb) + 1
             if count < 1:
                 raise ValueError(f"bad micro-batch range in action {text!r}")
-            return Action(_KIND_OF_CODE[code], PREFIX_PIPE.get(pre, DOWN), int(stage), int(mb), count)
-        m = _AR_RE.match(t)
+            return Action(KIND_OF_CODE[code], PREFIX_PIPE.get(pre, DOWN), int(stage), int(mb), count)
+        m = _STAGE_RE.match(t)
         if m:
             pre, stage, code = m.groups()
-            return Action(_KIND_OF_CODE[code], PREFIX_PIPE.get(pre, DOWN), int(stage))
+            return Action(KIND_OF_CODE[code], PREFIX_PIPE.get(pre, DOWN), int(stage))
         raise ValueError(
             f"cannot parse action {text!r}: expected e.g. '0F3', 'u2B1', 'd0F2-3', 'd1RECV_F3', 'd0AR_START' or 'OPT'"
         )

@@ -14,45 +14,51 @@ Each pass takes and returns a :class:`Schedule`; :func:`lower` applies them in o
 
 from __future__ import annotations
 
-from chimera.schedule.ir import Action, Kind, Schedule, _replace
+from chimera.schedule.ir import Action, Schedule, _replace
+from chimera.schedule.kinds import SPECS, TRANSFER, Kind, Res, Role, neighbour
 
 
 def add_p2p(schedule: Schedule) -> Schedule:
-    """Insert point-to-point send/receive actions around compute actions."""
+    """Insert point-to-point send/receive actions around compute actions (from the kinds table).
+
+    Before a compute action: the receive of every resource it consumes from a stage on another worker.
+    After it: the send of every resource it produces that a stage on another worker consumes.
+    """
     if schedule.lowered:
         raise ValueError("schedule is already lowered; call compute_only() first")
     place = schedule.placement
-    last = schedule.stages - 1
     rows = []
     for w, row in enumerate(schedule.actions):
         out: list[Action] = []
         for a in row:
-            p, s = a.pipe, a.stage
-            if a.kind is Kind.F:
-                if s > 0 and place[(p, s - 1)] != w:
-                    out.append(Action(Kind.RECV_ACT, p, s, a.microbatch, a.count))
+            spec = SPECS[a.kind]
+            if spec.role is not Role.COMPUTE:
                 out.append(a)
-                if s < last and place[(p, s + 1)] != w:
-                    out.append(Action(Kind.SEND_ACT, p, s, a.microbatch, a.count))
-            elif a.kind is Kind.B:
-                if s < last and place[(p, s + 1)] != w:
-                    out.append(Action(Kind.RECV_GRAD, p, s, a.microbatch, a.count))
-                out.append(a)
-                if s > 0 and place[(p, s - 1)] != w:
-                    out.append(Action(Kind.SEND_GRAD, p, s, a.microbatch, a.count))
-            else:
-                out.append(a)
+                continue
+            for use in spec.consumes:
+                src = neighbour(a.stage, use.offset, schedule.stages)
+                if use.res in TRANSFER and src is not None and place[(a.pipe, src)] != w:
+                    out.append(Action(TRANSFER[use.res][1], a.pipe, a.stage, a.microbatch, a.count))
+            out.append(a)
+            for res in spec.produces:
+                if res not in TRANSFER:
+                    continue
+                send = TRANSFER[res][0]
+                dst = neighbour(a.stage, SPECS[send].peer, schedule.stages)
+                if dst is not None and place[(a.pipe, dst)] != w:
+                    out.append(Action(send, a.pipe, a.stage, a.microbatch, a.count))
         rows.append(out)
     return _replace(schedule, actions=rows, lowered=True)
 
 
 def add_grad_sync(schedule: Schedule) -> Schedule:
-    """Start each stage replica's gradient allreduce after its last backward; wait for all at the end."""
+    """Start each stage replica's gradient sum after the last action making its weight gradients; wait for all
+    at the end."""
     rows = []
     for row in schedule.actions:
         last_b: dict[tuple[str, int], int] = {}
         for i, a in enumerate(row):
-            if a.kind is Kind.B:
+            if Res.WGRAD in SPECS[a.kind].produces:
                 last_b[(a.pipe, a.stage)] = i
         starts: dict[int, list[Action]] = {}
         waits: list[Action] = []

@@ -2,8 +2,9 @@
 
 It runs every worker's list in order, as the runtime would, and times each action:
 
-* F / B start when the worker is free and their inputs exist. In a compute-only schedule an input made
-  on another worker arrives ``p2p(...)`` after it was made; in a lowered schedule it comes through the
+* Each kind executes by its role in :mod:`chimera.schedule.kinds`. A compute action (F, B) starts when
+  the worker is free and the resources it consumes exist. In a compute-only schedule a resource made on
+  another worker arrives ``p2p(...)`` after it was made; in a lowered schedule it comes through the
   receive actions instead.
 * Sends are non-blocking: the message leaves when the worker reaches the send and arrives ``p2p(...)``
   later. A receive blocks until its message has arrived. (The runtime posts a run of consecutive
@@ -22,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from chimera.schedule.ir import Action, Kind, Schedule
+from chimera.schedule.ir import Action, Schedule
+from chimera.schedule.kinds import SPECS, Msg, Role, message, neighbour
 
 Key = tuple[Any, ...]
 
@@ -36,53 +38,40 @@ class Replay:
     stuck: dict[int, tuple[int, str]] = field(default_factory=dict)
 
 
-def message_key(a: Action, place: dict[tuple[str, int], int]) -> tuple[Key, int]:
-    """The message a send/recv action carries and the peer worker: ``((what, pipe, src_stage, mb), peer)``."""
-    p, s, m = a.pipe, a.stage, a.microbatch
-    if a.kind is Kind.SEND_ACT:
-        return ("act", p, s, m), place[(p, s + 1)]
-    if a.kind is Kind.RECV_ACT:
-        return ("act", p, s - 1, m), place[(p, s - 1)]
-    if a.kind is Kind.SEND_GRAD:
-        return ("grad", p, s, m), place[(p, s - 1)]
-    if a.kind is Kind.RECV_GRAD:
-        return ("grad", p, s + 1, m), place[(p, s + 1)]
-    raise ValueError(f"{a} is not a send/recv action")
+def message_key(a: Action, place: dict[tuple[str, int], int]) -> tuple[Msg, int]:
+    """The message a send/recv action carries and the peer worker."""
+    msg, peer = message(a.kind, a.pipe, a.stage, a.microbatch)
+    return msg, place[(a.pipe, peer)]
 
 
-def _deps(a: Action, last: int) -> list[tuple[Key, str, int]]:
-    """(key, pipe, stage-of-producer) of the results an F or B needs."""
+def inputs(a: Action, stages: int) -> list[tuple[Msg, int]]:
+    """The resources a compute action waits for and the stage that makes each (from the kinds table)."""
     out = []
-    for m in a.microbatches:
-        if a.kind is Kind.F:
-            if a.stage > 0:
-                out.append((("F", a.pipe, a.stage - 1, m), a.pipe, a.stage - 1))
-        else:
-            out.append((("F", a.pipe, a.stage, m), a.pipe, a.stage))
-            if a.stage < last:
-                out.append((("B", a.pipe, a.stage + 1, m), a.pipe, a.stage + 1))
+    for use in SPECS[a.kind].consumes:
+        src = neighbour(a.stage, use.offset, stages)
+        if src is not None:
+            out.extend((Msg(use.res, a.pipe, src, m), src) for m in a.microbatches)
     return out
 
 
 def replay(
     schedule: Schedule,
-    compute: Callable[[Action], Any],
-    p2p: Callable[[Key], Any],
+    cost: Callable[[Action], Any],
+    p2p: Callable[[Msg], Any],
     allreduce: Callable[[int], Any],
-    optimizer: Any = 0,
 ) -> Replay:
-    """Execute ``schedule`` with the given per-action durations; see the module docstring."""
+    """Execute ``schedule``: ``cost(a)`` is the duration of a compute or update action, ``p2p(msg)`` a
+    message's, ``allreduce(stage)`` a stage group's gradient sum; see the module docstring."""
     place = dict(schedule.placement)
-    last = schedule.stages - 1
+    stages = schedule.stages
     rows = schedule.actions
     nw = len(rows)
     lowered = schedule.lowered
-    zero = optimizer * 0
     starts: list[list[Any]] = [[None] * len(r) for r in rows]
     ends: list[list[Any]] = [[None] * len(r) for r in rows]
     pc = [0] * nw
-    clock = [zero] * nw
-    done: dict[Key, Any] = {}  # compute result / allreduce -> time it is available
+    clock: list[Any] = [0] * nw
+    done: dict[Key, Any] = {}  # resource / message / allreduce -> time it is available
     waiting: dict[Key, list[int]] = {}
     replicas: dict[int, int] = {}
     for _, s in place:
@@ -111,52 +100,57 @@ def replay(
         while pc[w] < len(row):
             i = pc[w]
             a = row[i]
-            k = a.kind
-            if k.is_compute:
+            spec = SPECS[a.kind]
+            role = spec.role
+            if role is Role.COMPUTE:
                 ready = clock[w]
-                for key, pipe, st in _deps(a, last):
-                    src = place[(pipe, st)]
+                for key, st in inputs(a, stages):
+                    src = place[(a.pipe, st)]
                     if lowered and src != w:
-                        continue
+                        continue  # arrives through a receive action
                     if key not in done:
                         waiting.setdefault(key, []).append(w)
-                        what = "forward" if key[0] == "F" else "backward"
-                        blocked[w] = f"{a.text()} needs the {what} of stage {st} micro-batch {key[3]} (worker {src})"
+                        blocked[w] = (f"{a.text()} needs the {key.res.value} of stage {st} micro-batch "
+                                      f"{key.microbatch} (made on worker {src})")
                         return
-                    t = done[key] if src == w else done[key] + p2p((("act" if key[0] == "F" else "grad"),) + key[1:])
+                    t = done[key] if src == w else done[key] + p2p(key)
                     ready = max(ready, t)
                 starts[w][i] = ready
-                ends[w][i] = ready + compute(a)
+                ends[w][i] = ready + cost(a)
                 clock[w] = ends[w][i]
                 pc[w] = i + 1
-                for m in a.microbatches:
-                    finish((k.value, a.pipe, a.stage, m), ends[w][i])
-            elif k.is_p2p:
+                for res in spec.produces:
+                    for m in a.microbatches:
+                        finish(Msg(res, a.pipe, a.stage, m), ends[w][i])
+            elif role is Role.SEND:  # eager: the message leaves now and arrives p2p() later
+                key, _ = message_key(a, place)
+                starts[w][i] = ends[w][i] = clock[w]
+                finish(("msg", *key), clock[w] + p2p(key))
+                pc[w] = i + 1
+            elif role is Role.RECV:
                 key, peer = message_key(a, place)
-                key = ("msg", *key)
-                if k.is_send:  # eager: the message leaves now and arrives p2p() later
-                    starts[w][i] = ends[w][i] = clock[w]
-                    finish(key, clock[w] + p2p(key[1:]))
-                elif not wait_for(w, i, key, f"{a.text()} waits for worker {peer} to send it"):
+                if not wait_for(w, i, ("msg", *key), f"{a.text()} waits for worker {peer} to send it"):
                     return
                 pc[w] = i + 1
-            elif k is Kind.ALLREDUCE_START:
+            elif role is Role.SYNC_START:
                 starts[w][i] = ends[w][i] = clock[w]
                 arr = ar_arrivals.setdefault(a.stage, [])
                 arr.append(clock[w])
                 pc[w] = i + 1
                 if len(arr) == replicas[a.stage]:
                     finish(("AR", a.stage), max(arr) + allreduce(a.stage))
-            elif k is Kind.ALLREDUCE_WAIT:
+            elif role is Role.SYNC_WAIT:
                 why = f"{a.text()} waits for the other replicas of stage {a.stage} to start the allreduce"
                 if not wait_for(w, i, ("AR", a.stage), why):
                     return
                 pc[w] = i + 1
-            else:  # OPTIMIZER_STEP
+            elif role is Role.UPDATE:
                 starts[w][i] = clock[w]
-                clock[w] = clock[w] + optimizer
+                clock[w] = clock[w] + cost(a)
                 ends[w][i] = clock[w]
                 pc[w] = i + 1
+            else:  # pragma: no cover - every role of the kinds table is handled above
+                raise ValueError(f"replay cannot execute {a.text()} (role {role})")
         blocked.pop(w, None)
 
     while stack:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from chimera.schedule.ir import Action, Kind, Schedule
+from chimera.schedule.ir import Action, Schedule
+from chimera.schedule.kinds import SPECS, Address, Res
 from chimera.schedule.replay import Key, replay
 from chimera.schedule.validate import ScheduleError, format_grid
 
@@ -46,9 +47,18 @@ class Costs:
     def stage_value(self, value: Num | Sequence[Num], stage: int) -> Num:
         return value[stage] if isinstance(value, Sequence) else value
 
-    def compute(self, a: Action, scale: Num = 1) -> Num:
-        base = self.fwd if a.kind is Kind.F else self.bwd
-        v = self.stage_value(base, a.stage) * a.count
+    def of(self, a: Action, scale: Num = 1) -> Num:
+        """What ``a`` costs: the field its kind names in the kinds table; per micro-batch fields scale with the
+        action's ``count`` and the schedule's ``microbatch_scale``."""
+        spec = SPECS[a.kind]
+        if spec.cost is None:
+            return 0
+        if spec.cost == "message":
+            return self.message()
+        value = self.stage_value(getattr(self, spec.cost), a.stage)
+        if spec.address is not Address.MICROBATCH:
+            return value
+        v = value * a.count
         return v if scale == 1 else v * scale
 
     def message(self, _key: Key | None = None) -> Num:
@@ -91,15 +101,16 @@ class SimResult:
 
 
 def peak_activations(schedule: Schedule) -> list[Num]:
-    """Per worker, the most micro-batches (times ``microbatch_scale``) whose forward ran and backward not yet."""
+    """Per worker, the most micro-batches (times ``microbatch_scale``) stashed for a backward at once."""
     out = []
     for row in schedule.actions:
         live = peak = 0
         for a in row:
-            if a.kind is Kind.F:
+            spec = SPECS[a.kind]
+            if Res.STASH in spec.produces:
                 live += a.count
                 peak = max(peak, live)
-            elif a.kind is Kind.B:
+            elif Res.STASH in spec.releases:
                 live -= a.count
         v = peak * schedule.microbatch_scale
         out.append(int(v) if v.denominator == 1 else v)
@@ -110,13 +121,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     """Replay ``schedule`` (compute-only or lowered) with ``costs``; raise ScheduleError on deadlock."""
     c = costs or Costs()
     scale = schedule.microbatch_scale
-    r = replay(
-        schedule,
-        compute=lambda a: c.compute(a, scale),
-        p2p=c.message,
-        allreduce=lambda s: c.stage_value(c.allreduce, s),
-        optimizer=c.optimizer,
-    )
+    r = replay(schedule, cost=lambda a: c.of(a, scale), p2p=c.message, allreduce=lambda s: c.stage_value(c.allreduce, s))
     if r.stuck:
         marks = {w: i for w, (i, _) in r.stuck.items()}
         why = "; ".join(f"worker {w} at step {i}: {m}" for w, (i, m) in sorted(r.stuck.items()))

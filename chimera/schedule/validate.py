@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from chimera.schedule.ir import Action, Kind, Schedule
+from chimera.schedule.kinds import SPECS, Address
 from chimera.schedule.replay import message_key, replay
 
 
@@ -63,33 +64,39 @@ def _fail(schedule: Schedule, msg: str, marks: dict[int, int]) -> None:
 
 
 def _check_structure(s: Schedule) -> None:
+    once = [k for k, spec in SPECS.items() if spec.once]
     counts: Counter[tuple[Kind, str, int, int]] = Counter()
     first: dict[tuple[Kind, str, int, int], tuple[int, int]] = {}
     for w, row in enumerate(s.actions):
         for i, a in enumerate(row):
-            if a.kind is Kind.OPTIMIZER_STEP:
+            if SPECS[a.kind].address is Address.NONE:
                 continue
             home = s.placement.get((a.pipe, a.stage))
             if home is None:
                 _fail(s, f"{a} names stage {a.stage} of the {a.pipe} pipe, which no worker holds", {w: i})
             if home != w:
                 _fail(s, f"{a} is on worker {w} but stage {a.stage} of the {a.pipe} pipe is on worker {home}", {w: i})
-            if a.kind.is_compute:
+            if SPECS[a.kind].once:
                 for m in a.microbatches:
                     key = (a.kind, a.pipe, a.stage, m)
                     counts[key] += 1
                     first.setdefault(key, (w, i))
     for (p, st), w in s.placement.items():
         for m in range(s.pipe_microbatches(p)):
-            f, b = (Kind.F, p, st, m), (Kind.B, p, st, m)
-            for key, what in ((f, "F"), (b, "B")):
+            for kind in once:
+                key = (kind, p, st, m)
                 if counts[key] != 1:
-                    n = counts[key]
                     marks = {first[key][0]: first[key][1]} if key in first else {}
-                    _fail(s, f"{Action(key[0], p, st, m)} ({what} of micro-batch {m}) appears {n} times, expected once "
-                          f"on worker {w}", marks)
-            if first[f][1] > first[b][1]:
-                _fail(s, f"{Action(Kind.B, p, st, m)} comes before its forward on worker {w}", {w: first[b][1]})
+                    _fail(s, f"{Action(kind, p, st, m)} ({kind.value} of micro-batch {m}) appears {counts[key]} times, "
+                          f"expected once on worker {w}", marks)
+            made = {res: kind for kind in once for res in SPECS[kind].produces}
+            for kind in once:  # what a kind consumes from its own stage is made before it
+                at = first[(kind, p, st, m)][1]
+                for use in SPECS[kind].consumes:
+                    maker = made.get(use.res) if use.offset == 0 else None
+                    if maker is not None and first[(maker, p, st, m)][1] > at:
+                        _fail(s, f"{Action(kind, p, st, m)} comes before its {SPECS[maker].name} on worker {w}",
+                              {w: at})
     extra = [k for k in counts if k[3] >= s.pipe_microbatches(k[1])]
     if extra:
         k = extra[0]
@@ -138,7 +145,7 @@ def validate(schedule: Schedule) -> Schedule:
         run = lower(schedule)
         _check_channels(run)
     zero = lambda *_: 0  # noqa: E731
-    result = replay(run, zero, zero, zero, 0)
+    result = replay(run, zero, zero, zero)
     if result.stuck:
         marks = {w: i for w, (i, _) in result.stuck.items()}
         why = "; ".join(f"worker {w} at step {i}: {r}" for w, (i, r) in sorted(result.stuck.items()))
