@@ -1,11 +1,14 @@
 """Measured bubble fraction of the real runtime on Ray against the simulator, on the delay model.
 
-The delay model's forward sleeps tf and its backward 2*tf per stage, so D workers do not fight over the
-machine's cores. Each row runs the schedule through ray_launch (profiling on), takes the runtime's own
-action timestamps, and compares the median measured bubble with the simulator's prediction for the same
-lowered schedule with F = tf, B = 2 tf. Goal: |measured - predicted| <= 0.03.
+The delay model's forward sleeps tf and its backward 2*tf per stage and per schedule unit, so D workers do
+not fight over the machine's cores. Each row runs the schedule through ray_launch (profiling on), takes the
+runtime's own action timestamps, and compares the median measured bubble with the simulator's prediction for
+the same lowered schedule with F = tf, B = 2 tf per unit. Chimera's forward doubling runs with --recompute, as
+the paper pairs them: there every backward but the last stage's also sleeps its forward again (B = 3 tf). The
+delay model sleeps per unit whatever its size, so backward halving's half micro-batches cost tf and 2 tf as
+well. Goal: |measured - predicted| <= 0.03.
 
-Usage: python bench/bubbles.py [--tf 0.05] [--steps 4] [--quick]
+Usage: python bench/bubbles.py [--tf 0.05] [--steps 4] [--quick] [--rows chimera-halving]
 """
 
 from __future__ import annotations
@@ -19,25 +22,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from chimera.runtime import TrainConfig  # noqa: E402
+from chimera.config import TrainConfig  # noqa: E402
 from chimera.schedule import Costs, simulate  # noqa: E402
 from chimera.timeline.analysis import step_stats  # noqa: E402
 from ray_launch.driver import RayJob  # noqa: E402
 
-ROWS = [("chimera", 4, 4), ("1f1b", 4, 4), ("gpipe", 4, 4), ("chimera", 4, 8), ("1f1b", 4, 8), ("gpipe", 4, 8),
-        ("chimera", 8, 8), ("1f1b", 8, 8), ("gpipe", 8, 8)]
+ROWS = [("chimera", 4, 4, "direct"), ("1f1b", 4, 4, "direct"), ("gpipe", 4, 4, "direct"),
+        ("chimera", 4, 8, "direct"), ("1f1b", 4, 8, "direct"), ("gpipe", 4, 8, "direct"),
+        ("chimera", 8, 8, "direct"), ("1f1b", 8, 8, "direct"), ("gpipe", 8, 8, "direct"),
+        ("chimera", 4, 8, "doubling"), ("chimera", 4, 8, "halving"),
+        ("chimera", 4, 16, "direct"), ("chimera", 4, 16, "doubling"), ("chimera", 4, 16, "halving"),
+        ("1f1b", 4, 16, "direct")]
 
 
-def measure(schedule: str, d: int, n: int, tf: float, steps: int) -> dict[str, float]:
-    cfg = TrainConfig(model="delay", model_overrides={"num_blocks": d, "fwd_s": tf}, schedule=schedule, stages=d,
-                      micro_batches=n, micro_batch_size=2, steps=steps, optimizer="sgd", profile=True,
-                      clip_grad=0.0, timeout_s=60)
-    with RayJob(cfg) as job:
-        records = [job.step(s) for s in range(steps)]
-        plan = job.plan
+def measure(schedule: str, d: int, n: int, mode: str, tf: float, steps: int) -> dict[str, float]:
+    recompute = mode == "doubling"
+    cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": d, "fwd_s": tf}, schedule=schedule,
+                                 stages=d, micro_batches=n, micro_batch_size=2, steps=steps, optimizer="sgd",
+                                 profile=True, clip_grad=0.0, timeout_s=60, mode=mode, recompute=recompute)
+    with RayJob(cfg) as ray_job:
+        records = [ray_job.step(s) for s in range(steps)]
+        sched = ray_job.job.schedule
     events = [e for rec in records[1:] for r in rec["_results"] for e in r.events]  # step 0 is warm-up
     stats = step_stats(events)
-    pred = simulate(plan.schedule.compute_only(), Costs(fwd=tf, bwd=2 * tf))
+    unit = 1 / sched.microbatch_scale  # costs are per micro-batch; every unit sleeps the same
+    bwd = [(3 if recompute and s < d - 1 else 2) * tf * unit for s in range(d)]
+    pred = simulate(sched.compute_only(), Costs(fwd=tf * unit, bwd=bwd))
     return {
         "measured_bubble": statistics.median(s.bubble for s in stats),
         "predicted_bubble": float(pred.bubble),
@@ -51,19 +61,23 @@ def main() -> None:
     ap.add_argument("--tf", type=float, default=0.05, help="forward sleep per stage (s)")
     ap.add_argument("--steps", type=int, default=4, help="steps per row (the first is warm-up)")
     ap.add_argument("--quick", action="store_true", help="only the D=4, N=4 rows, 2 steps")
+    ap.add_argument("--rows", default=None, help="only rows whose 'schedule-mode' contains this, e.g. chimera-halving")
     args = ap.parse_args()
     rows = ROWS[:3] if args.quick else ROWS
+    if args.rows:
+        rows = [r for r in rows if args.rows in f"{r[0]}-{r[3]}"]
     steps = 2 if args.quick else args.steps
     ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         print(f"# bubbles: delay model tf={args.tf}s, bwd=2tf, {steps - 1} measured steps per row")
-        print("| schedule | D | N | measured bubble | predicted bubble | diff | measured step s | predicted step s | goal |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for schedule, d, n in rows:
-            r = measure(schedule, d, n, args.tf, steps)
+        print("| schedule | mode | D | N | measured bubble | predicted bubble | diff | measured step s | predicted step s "
+              "| goal |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for schedule, d, n, mode in rows:
+            r = measure(schedule, d, n, mode, args.tf, steps)
             diff = r["measured_bubble"] - r["predicted_bubble"]
             ok = "ok" if abs(diff) <= 0.03 else "MISSED"
-            print(f"| {schedule} | {d} | {n} | {r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | {diff:+.3f} | "
+            print(f"| {schedule} | {mode}{' + recompute' if mode == 'doubling' else ''} | {d} | {n} | {r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | {diff:+.3f} | "
                   f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | {ok} |", flush=True)
     finally:
         ray.shutdown()

@@ -12,23 +12,24 @@ import time
 from pathlib import Path
 
 from bench.workloads import Workload
-from chimera.runtime import TrainConfig
+from chimera.config import TrainConfig
+from ray_launch.config import LaunchConfig
 from ray_launch.driver import RayJob
 
 
 def chimera_config(w: Workload, schedule: str, steps: int) -> TrainConfig:
     """The chimera config for workload ``w`` (same model, split, B, N, optimizer and data as torch.pp)."""
-    return TrainConfig(model=w.model, model_overrides=w.overrides(w.stages), schedule=schedule, stages=w.stages,
+    return TrainConfig.from_flags(model=w.model, model_overrides=w.overrides(w.stages), schedule=schedule, stages=w.stages,
                        micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
                        steps=steps, optimizer=w.optimizer, lr=1e-3, weight_decay=0.01, clip_grad=0.0, threads=1,
-                       seed=w.seed, timeout_s=120.0, corpus="synthetic", connect_timeout_s=300.0)
+                       seed=w.seed, timeout_s=120.0, corpus="synthetic")
 
 
 class ChimeraRow:
     """A running chimera job for one schedule of a workload; a context manager."""
 
     def __init__(self, w: Workload, schedule: str, steps: int) -> None:
-        self.job = RayJob(chimera_config(w, schedule, steps), log=lambda msg: None)
+        self.job = RayJob(chimera_config(w, schedule, steps), LaunchConfig(connect_timeout_s=300.0), log=lambda msg: None)
         self.worker_times: list[float] = []
 
     def __enter__(self) -> ChimeraRow:

@@ -22,10 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from chimera.data import build_dataset  # noqa: E402
+from chimera.config import TrainConfig  # noqa: E402
+from chimera.microbatch import map_tensors  # noqa: E402
 from chimera.models import SequentialModel  # noqa: E402
 from chimera.optim import build_optimizer, clip_grad_norm_global  # noqa: E402
-from chimera.runtime import PipelineWorker, TrainConfig  # noqa: E402
+from chimera.runtime import PipelineWorker  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -41,38 +42,38 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="bert-tiny, micro-batch 4, sequence 32 (CPU smoke run)")
     args = ap.parse_args()
     if args.small:
-        cfg = TrainConfig(model="bert-tiny", model_overrides={"num_hidden_layers": 2}, micro_batch_size=4, seq_len=32)
+        cfg = TrainConfig.from_flags(model="bert-tiny", model_overrides={"num_hidden_layers": 2}, micro_batch_size=4,
+                                     seq_len=32)
     else:
-        cfg = TrainConfig(model="bert-large", model_overrides={"num_hidden_layers": 6}, micro_batch_size=32,
-                          seq_len=128)
-    cfg = cfg.replace(schedule="gpipe", stages=1, micro_batches=args.micro_batches, device=args.device,
+        cfg = TrainConfig.from_flags(model="bert-large", model_overrides={"num_hidden_layers": 6}, micro_batch_size=32,
+                                     seq_len=128)
+    cfg = cfg.with_flags(schedule="gpipe", stages=1, micro_batches=args.micro_batches, device=args.device,
                       corpus="synthetic",  # the bare loop below reads synthetic data too
                       optimizer="lamb", clip_grad=1.0, steps=args.reps + 2, timeout_s=600)
-    plan = cfg.check()
+    job = cfg.check()
+    t, n = cfg.training, cfg.schedule.micro_batches
     dev = args.device
     tmp = tempfile.mkdtemp()
-    worker = PipelineWorker(cfg, 0, 1, f"file://{tmp}/rdzv", plan)
+    worker = PipelineWorker(job, 0, 1, f"file://{tmp}/rdzv")
     worker.setup()
 
-    model = SequentialModel(plan.model, cfg.seed, device=dev)
+    model = SequentialModel(job.chain, t.seed, device=dev)
     params = list(model.parameters())
-    opt = build_optimizer(params, "lamb", lr=cfg.lr, weight_decay=cfg.weight_decay)
-    data = build_dataset(plan.model, cfg.micro_batch_size, plan.model.seq_len, cfg.seed)
+    opt = build_optimizer(params, "lamb", lr=t.lr, weight_decay=t.weight_decay)
+    data = job.dataset()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else nullcontext()
-    scale = 1.0 / cfg.micro_batches
+    scale = 1.0 / n
 
     def bare_step(step: int) -> tuple[float, float]:
         t0 = time.perf_counter()
-        for i in range(cfg.micro_batches):
-            inputs, labels = data.get(step, i, 0)
-            inputs = {k: v.to(dev, non_blocking=True) for k, v in inputs.items()}
-            labels = {k: v.to(dev, non_blocking=True) for k, v in labels.items()}
+        for i in range(n):
+            inputs, labels = map_tensors(lambda x: x.to(dev, non_blocking=True), data.get(step, i, 0))
             with amp:
                 loss = model(inputs, labels)
             (loss * scale).backward()
         sync(dev)
         t1 = time.perf_counter()
-        clip_grad_norm_global(params, cfg.clip_grad)
+        clip_grad_norm_global(params, t.clip_grad)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(dev)
@@ -96,8 +97,8 @@ def main() -> None:
     worker.close()
     b, r, o = statistics.median(bare), statistics.median(rt), statistics.median(opt_t)
     name = type(opt).__module__ + "." + type(opt).__name__
-    print(f"# gpu_stage: {cfg.model} with {plan.model.num_blocks} blocks, micro-batch {cfg.micro_batch_size}, "
-          f"seq {plan.model.seq_len}, N={cfg.micro_batches}, device {dev}"
+    print(f"# gpu_stage: {cfg.model.name} with {job.chain.num_blocks} blocks, micro-batch {cfg.schedule.micro_batch_size}, "
+          f"seq {job.chain.seq_len}, N={n}, device {dev}"
           f"{' (' + torch.cuda.get_device_name() + ')' if dev == 'cuda' else ''}, bf16={dev == 'cuda'}")
     print("| bare PyTorch step s | runtime step s | efficiency (bare/runtime) | optimizer | optimizer step s | goal |")
     print("|---|---|---|---|---|---|")

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from bench.workloads import Workload, input_keys
-from chimera.models import LayeredModel, StageModule, build_stage, partition
+from bench.workloads import Workload, input_keys, unpack_target
+from chimera.models import LayerChain, StageModule, build_stage, partition
+from chimera.models.chain import as_tuple, call
 from chimera.optim import build_optimizer
 
 
@@ -67,48 +67,30 @@ TORCH_SCHEDULES = {
 class StageAdapter(nn.Module):
     """A chimera ``StageModule`` with torch.pp's calling convention: positional tensors in and out.
 
-    The first stage takes the input tensors (``input_keys``) and builds chimera's input dict; the last
-    stage stops before the loss and returns the head's outputs (regression output, or MLM + NSP logits)
-    so that torch.pp's ``loss_fn`` computes exactly the loss of chimera's head layer.
+    The first stage takes the input tensors (``input_keys``) as the chain's keyword inputs; the last stage
+    returns the last layer's output (regression output, or MLM + NSP logits) so that torch.pp's ``loss_fn``
+    computes exactly the chain's loss.
     """
 
-    def __init__(self, stage: StageModule, model: LayeredModel) -> None:
+    def __init__(self, stage: StageModule, model: LayerChain) -> None:
         super().__init__()
         self.stage = stage
-        self.family = model.family
         self.keys = input_keys(model)
 
     def forward(self, *args: torch.Tensor) -> Any:
-        layers = list(self.stage.layers)
-        if self.stage.is_first:
-            acts: Any = layers[0](dict(zip(self.keys, args)))
-            layers = layers[1:]
-        else:
-            acts = args
-        head = layers.pop() if self.stage.is_last else None
-        for layer in layers:
-            acts = layer(*acts)
-        if head is None:
-            # torch.pp's split backward (DualPipeV) detaches stage outputs in place, which views refuse;
-            # the delay block returns a view of its input, so hand torch.pp a copy (2x16 floats)
-            return tuple(t.clone() if t._is_view() else t for t in acts)
-        if self.family == "delay":
-            return head.proj(acts[0])
-        return head.logits(acts[0])
+        x: Any = dict(zip(self.keys, args)) if self.stage.is_first else args
+        for layer in self.stage.layers:
+            x = call(layer, x)
+        if self.stage.is_last:
+            return x
+        # torch.pp's split backward (DualPipeV) detaches stage outputs in place, which views refuse;
+        # the delay block returns a view of its input, so hand torch.pp a copy (2x16 floats)
+        return tuple(t.clone() if t._is_view() else t for t in as_tuple(x))
 
 
-def make_loss_fn(model: LayeredModel) -> Any:
-    """torch.pp ``loss_fn(output, target)`` equal to the loss of chimera's head layer."""
-    if model.family == "delay":
-        return lambda out, y: F.mse_loss(out, y)
-    vocab = model.vocab_size
-
-    def bert_loss(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-        mlm_logits, nsp_logits = out
-        mlm = F.cross_entropy(mlm_logits.float().view(-1, vocab), target[:, :-1].reshape(-1), ignore_index=-100)
-        return mlm + F.cross_entropy(nsp_logits.float().view(-1, 2), target[:, -1].reshape(-1))
-
-    return bert_loss
+def make_loss_fn(model: LayerChain) -> Any:
+    """torch.pp ``loss_fn(output, target)``: the chain's loss on the labels packed by ``pack_target``."""
+    return lambda out, target: model.loss(out, unpack_target(model, target))
 
 
 class _Runner:

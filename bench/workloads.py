@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from chimera.data import build_dataset
-from chimera.models import LayeredModel, build_model
+from chimera.models import LayerChain, build_model
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class Workload:
         assert self.tf is not None
         return {"num_blocks": parts, "fwd_s": self.tf * self.stages / parts}
 
-    def build(self, parts: int) -> LayeredModel:
+    def build(self, parts: int) -> LayerChain:
         """The layered model as split into ``parts`` stages."""
         return build_model(self.model, seq_len=self.seq_len, **self.overrides(parts))
 
@@ -57,7 +56,7 @@ class Workload:
         torch.pp splits the concatenation along dim 0 back into the same N micro-batches.
         """
         model = self.build(self.stages)
-        ds = build_dataset(model, self.micro_batch_size, self.seq_len, self.seed)
+        ds = model.dataset(self.micro_batch_size, self.seed)
         ins, tgts = [], []
         for m in range(self.micro_batches):
             inputs, labels = ds.get(step, m, 0)
@@ -67,16 +66,23 @@ class Workload:
         return args, torch.cat(tgts)
 
 
-def input_keys(model: LayeredModel) -> tuple[str, ...]:
+def input_keys(model: LayerChain) -> tuple[str, ...]:
     """Names of the first stage's positional inputs under torch.pp."""
     return ("x",) if model.family == "delay" else ("input_ids", "token_type_ids", "attention_mask")
 
 
-def pack_target(model: LayeredModel, labels: dict[str, torch.Tensor]) -> torch.Tensor:
+def pack_target(model: LayerChain, labels: dict[str, torch.Tensor]) -> torch.Tensor:
     """Labels as one tensor with the batch in dim 0 (torch.pp splits ``target`` along dim 0)."""
     if model.family == "delay":
         return labels["y"]
     return torch.cat([labels["labels"], labels["next_sentence_label"][:, None]], dim=1)
+
+
+def unpack_target(model: LayerChain, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The chain's labels of a packed target (inverse of :func:`pack_target`)."""
+    if model.family == "delay":
+        return {"y": target}
+    return {"labels": target[:, :-1], "next_sentence_label": target[:, -1]}
 
 
 WORKLOADS: dict[str, Workload] = {

@@ -205,12 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     tplot.add_argument("--dir", default="profiles", help="folder of the profile files")
     tplot.add_argument("--sqlite", default=None, help="Nsight SQLite export: use GPU kernel times of the NVTX ranges")
     tplot.set_defaults(func=cmd_timeline_plot)
-    train = sub.add_parser("train", help="train on Ray (same flags as scripts/prof_steps_ray.py)")
-    from chimera.runtime.config import add_train_args
-
-    add_train_args(train)
-    train.add_argument("--out", default=None, help="JSONL metrics file (default: profiles/<run name>.metrics.jsonl)")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train = sub.add_parser("train", add_help=False, help="train on Ray (the flags of scripts/prof_steps_ray.py; "
+                                                        "chimera train --help lists them)")
+    train.add_argument("args", nargs=argparse.REMAINDER)
     train.set_defaults(func=cmd_train)
     _add_data_parser(sub)
     return parser
@@ -236,12 +233,18 @@ def cmd_timeline_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ray_launch import keep_local_ray_on_loopback
-
-    keep_local_ray_on_loopback(["--address"] if args.address else [])
-    from ray_launch.driver import run_from_args  # Ray is imported only for this command
-
-    return run_from_args(args)
+    """Hand the flags to the Ray launcher (the library itself never imports Ray)."""
+    try:
+        from ray_launch import keep_local_ray_on_loopback
+    except ImportError as e:  # pragma: no cover - ray_launch ships with chimera
+        raise UsageError(f"chimera train needs the ray_launch package: {e}") from None
+    keep_local_ray_on_loopback(args.args)
+    try:
+        from ray_launch.driver import main as train_main
+    except ImportError as e:
+        raise UsageError(f"chimera train runs on Ray, which does not import here ({e}); install it with "
+                         "pip install -r requirements.txt -c constraints.txt") from None
+    return train_main(args.args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def keep_local_ray_on_loopback(argv: Sequence[str]) -> None:
@@ -18,3 +19,12 @@ def keep_local_ray_on_loopback(argv: Sequence[str]) -> None:
     joins = any(a == "--address" or a.startswith("--address=") for a in argv)
     if not joins and "ray" not in sys.modules:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def train(chain: Any, data: Any = None, launch: Any = None, **flags: Any) -> list[dict[str, Any]]:
+    """``chimera.train`` on Ray: the same chain, data and flags, one Ray actor per worker (``launch``: a
+    :class:`ray_launch.config.LaunchConfig`; default: a local Ray on loopback)."""
+    from chimera.api import chain_job
+    from ray_launch.driver import run
+
+    return run(chain_job(chain, data, **flags), launch, progress=False)

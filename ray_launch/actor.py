@@ -10,7 +10,8 @@ from typing import Any
 import ray
 import torch
 
-from chimera.runtime import PipelineWorker, Plan, StepResult, TrainConfig
+from chimera.job import Job
+from chimera.runtime import PipelineWorker, StepResult
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)
@@ -34,8 +35,8 @@ class WorkerActor:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def setup(self, cfg: TrainConfig, plan: Plan, rank: int, world: int, init_method: str) -> dict[str, Any]:
-        self.worker = PipelineWorker(cfg, rank, world, init_method, plan)
+    def setup(self, job: Job, rank: int, world: int, init_method: str) -> dict[str, Any]:
+        self.worker = PipelineWorker(job, rank, world, init_method)
         info = self.worker.setup()
         info["node_id"] = self.node_id()
         return info

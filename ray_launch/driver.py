@@ -5,7 +5,7 @@ Usage::
     python scripts/prof_steps_ray.py --model bert-mini --schedule chimera --stages 4 --micro-batches 4
     # or from Python
     from ray_launch.driver import run
-    metrics = run(TrainConfig(...), out="profiles/run.jsonl")
+    metrics = run(TrainConfig.from_flags(model="bert-tiny", stages=2), out="profiles/run.jsonl")
 """
 
 from __future__ import annotations
@@ -34,11 +34,15 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm import tqdm
 
-from chimera.runtime import ConfigError, Plan, TrainConfig, add_train_args, config_from_args, summarize_step
+from chimera.config import ConfigError, TrainConfig
+from chimera.flags import add_train_args, config_from_args
+from chimera.job import Job
+from chimera.runtime import summarize_step
 from chimera.runtime.launch import WorkerError
 from chimera.timeline import Event
 from chimera.timeline.report import write_profile
 from ray_launch.actor import WorkerActor
+from ray_launch.config import LaunchConfig, add_launch_args, launch_from_args
 from ray_launch.placement import PlacementError, assign, cluster_nodes, format_map, run_pre_commands
 
 
@@ -63,7 +67,7 @@ def _check_reachable(address: str, timeout_s: float) -> None:
 
 
 def _bundle(cfg: TrainConfig) -> dict[str, float]:
-    return {"CPU": 1.0, "GPU": 1.0} if cfg.device == "cuda" else {"CPU": 1.0}
+    return {"CPU": 1.0, "GPU": 1.0} if cfg.training.device == "cuda" else {"CPU": 1.0}
 
 
 def _gather(refs: Sequence[Any], what: str, timeout_s: float) -> list[Any]:
@@ -113,16 +117,18 @@ def _raise_if_failed(ref: Any, rank: int, what: str) -> None:
 class RayJob:
     """One training job on Ray; use as a context manager so everything it started is stopped."""
 
-    def __init__(self, cfg: TrainConfig, log: Any = None) -> None:
-        self.cfg = cfg
-        self.plan: Plan = cfg.check()  # every configuration error surfaces here, before Ray or any actor
-        if cfg.nsys and shutil.which("nsys") is None:
+    def __init__(self, job: Job | TrainConfig, launch: LaunchConfig | None = None, log: Any = None) -> None:
+        # every configuration error surfaces here, before Ray or any actor
+        self.job: Job = job if isinstance(job, Job) else job.check()
+        self.launch = (launch or LaunchConfig()).check()
+        self.cfg = cfg = self.job.cfg
+        if cfg.profiling.nsys and shutil.which("nsys") is None:
             raise ConfigError("--nsys needs Nsight Systems' `nsys` on PATH, and it is not there; install Nsight "
                               "Systems (https://developer.nvidia.com/nsight-systems) or drop --nsys")
-        self.address = cfg.address
+        self.address = self.launch.address
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.node_of_rank: list[str] = []
-        self.connect_timeout_s = cfg.connect_timeout_s
+        self.connect_timeout_s = self.launch.connect_timeout_s
         self.started_ray = False
         self.pg = None
         self.actors: list[Any] = []
@@ -146,7 +152,7 @@ class RayJob:
         self.close()
 
     def _connect(self) -> None:
-        world = self.plan.world_size
+        world = self.job.world_size
         if ray.is_initialized():
             return
         if self.address:
@@ -174,7 +180,7 @@ class RayJob:
 
     def _job_runtime_env(self) -> dict[str, Any] | None:
         """Ship chimera's packages to every node (``py_modules``) when joining a cluster, unless told not to."""
-        ship = self.cfg.ship_code if self.cfg.ship_code is not None else bool(self.address)
+        ship = self.launch.ship_code if self.launch.ship_code is not None else bool(self.address)
         if not ship:
             return None
         import chimera
@@ -184,14 +190,14 @@ class RayJob:
 
     def _worker_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_"))}
-        env.update(e.split("=", 1) for e in self.cfg.env)
+        env.update(e.split("=", 1) for e in self.launch.env)
         return env
 
     def _place(self) -> None:
-        world = self.plan.world_size
+        world = self.job.world_size
         bundle = _bundle(self.cfg)
-        if self.cfg.pre_cmd:
-            results = run_pre_commands(self.cfg.pre_cmd)
+        if self.launch.pre_cmd:
+            results = run_pre_commands(self.launch.pre_cmd)
             self.log(f"--pre-cmd ran on {len(results)} node(s)")
         have = ray.cluster_resources()
         for res, amount in bundle.items():
@@ -200,15 +206,15 @@ class RayJob:
                                f"{amount * world:g}; lower --stages/--data-parallel or add nodes")
         deadline = time.monotonic() + self.connect_timeout_s
         while True:  # resources of a job that just ended are freed asynchronously: wait for them a while
-            nodes = cluster_nodes("GPU" if self.cfg.device == "cuda" else "CPU")
+            nodes = cluster_nodes("GPU" if self.cfg.training.device == "cuda" else "CPU")
             try:
-                self.node_of_rank = assign(self.cfg.placement, world, nodes)
+                self.node_of_rank = assign(self.launch.placement, world, nodes)
                 break
             except PlacementError as e:
                 if time.monotonic() > deadline:
                     raise RunError(f"{e} (waited {self.connect_timeout_s:g} s)") from None
                 time.sleep(0.5)
-        self.log(format_map(self.node_of_rank, nodes, self.plan.schedule.workers))
+        self.log(format_map(self.node_of_rank, nodes, self.job.schedule.workers))
         self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK",
                                   bundle_label_selector=[{"ray.io/node-id": nid} for nid in self.node_of_rank])
         try:
@@ -222,7 +228,7 @@ class RayJob:
         if env:
             runtime_env["env_vars"] = env
             self.log("worker environment: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
-        if self.cfg.nsys:
+        if self.cfg.profiling.nsys:
             self.profile_dir.mkdir(parents=True, exist_ok=True)
             runtime_env["nsight"] = {
                 "t": "cuda,cudnn,cublas,nvtx", "stop-on-exit": "true",
@@ -239,15 +245,16 @@ class RayJob:
         ]
 
     def _setup(self) -> None:
-        cfg, world = self.cfg, self.plan.world_size
+        timeout, world = self.cfg.training.timeout_s, self.job.world_size
         loopback = self.started_ray or ray.util.get_node_ip_address() in ("127.0.0.1", "localhost")
         # the first call waits for the actor process to start (imports torch): allow for a loaded machine
         host, port = _gather([self.actors[0].rendezvous_address.remote(loopback)], "rendezvous",
-                             self.connect_timeout_s + cfg.timeout_s)[0]
+                             self.connect_timeout_s + timeout)[0]
         init = f"tcp://{host}:{port}"
-        refs = [a.setup.remote(cfg, self.plan, r, world, init) for r, a in enumerate(self.actors)]
-        self.infos = _gather(refs, "setup", cfg.timeout_s + self.connect_timeout_s)
-        if cfg.profile:
+        job = ray.put(self.job)
+        refs = [a.setup.remote(job, r, world, init) for r, a in enumerate(self.actors)]
+        self.infos = _gather(refs, "setup", timeout + self.connect_timeout_s)
+        if self.cfg.profiling.profile:
             self._measure_clocks()
 
     def _measure_clocks(self, samples: int = 7) -> None:
@@ -265,7 +272,7 @@ class RayJob:
             best = (float("inf"), 0.0)
             for _ in range(samples):
                 t0 = time.perf_counter()
-                tw = ray.get(actor.clock.remote(), timeout=self.cfg.timeout_s)
+                tw = ray.get(actor.clock.remote(), timeout=self.cfg.training.timeout_s)
                 t1 = time.perf_counter()
                 best = min(best, (t1 - t0, tw - (t0 + t1) / 2))
             self.clock_offsets.append(best[1])
@@ -293,9 +300,9 @@ class RayJob:
     def collect(self, step: int, refs: list[Any]) -> dict[str, Any]:
         """Wait for the results of a submitted ``step``; return the metrics record."""
         cfg = self.cfg
-        results = _gather(refs, f"step {step}", cfg.timeout_s * 5 + 60)
+        results = _gather(refs, f"step {step}", cfg.training.timeout_s * 5 + 60)
         try:
-            return summarize_step(cfg, self.plan, results) | {"_results": results}
+            return summarize_step(cfg, results) | {"_results": results}
         except WorkerError as e:
             raise RunError(str(e)) from None
 
@@ -312,7 +319,7 @@ class RayJob:
         actors when the job closes.
 
             with RayJob(cfg) as job:
-                for rec in job.steps(range(cfg.steps)):
+                for rec in job.steps(range(cfg.training.steps)):
                     print(rec["loss"])
         """
         if ahead < 0:
@@ -327,12 +334,16 @@ class RayJob:
 
     def states(self) -> list[dict[tuple[str, int], dict[str, torch.Tensor]]]:
         """Every rank's stage parameters (CPU tensors)."""
-        blobs = _gather([a.state.remote() for a in self.actors], "state", self.cfg.timeout_s)
+        blobs = _gather([a.state.remote() for a in self.actors], "state", self.cfg.training.timeout_s)
         return [torch.load(io.BytesIO(b)) for b in blobs]
 
 
-def run(cfg: TrainConfig, *, out: str | Path | None = None, progress: bool = True) -> list[dict[str, Any]]:
-    """Train ``cfg.steps`` steps on Ray; write JSONL metrics to ``out``; return the records."""
+def run(job: Job | TrainConfig, launch: LaunchConfig | None = None, *, out: str | Path | None = None,
+        progress: bool = True) -> list[dict[str, Any]]:
+    """Train the job's steps on Ray; write JSONL metrics to ``out``; return the records."""
+    job = job if isinstance(job, Job) else job.check()
+    cfg = job.cfg
+    steps = cfg.training.steps
     records: list[dict[str, Any]] = []
     events: list[Event] = []
     out_file = None
@@ -340,27 +351,27 @@ def run(cfg: TrainConfig, *, out: str | Path | None = None, progress: bool = Tru
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         out_file = open(out, "w")  # noqa: SIM115 - closed in finally
     try:
-        with RayJob(cfg, log=None if progress else (lambda msg: None)) as job:
-            bar = tqdm(job.steps(range(cfg.steps)), total=cfg.steps, desc=cfg.run_name, disable=not progress,
+        with RayJob(job, launch, log=None if progress else (lambda msg: None)) as ray_job:
+            bar = tqdm(ray_job.steps(range(steps)), total=steps, desc=cfg.run_name, disable=not progress,
                        unit="step", dynamic_ncols=True)
             for rec in bar:
                 for r in rec.pop("_results"):
-                    off = job.clock_offsets[r.rank] if job.clock_offsets else 0.0
+                    off = ray_job.clock_offsets[r.rank] if ray_job.clock_offsets else 0.0
                     events += [replace(e, start=e.start - off, end=e.end - off) for e in r.events]
                 records.append(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_s=f"{rec['samples_per_s']:.1f}")
                 if out_file:
                     out_file.write(json.dumps(rec) + "\n")
                     out_file.flush()
-            if cfg.profile:
-                meta = {"model": cfg.model, "schedule": cfg.schedule, "stages": cfg.stages,
-                        "micro_batches": cfg.micro_batches, "micro_batch_size": cfg.micro_batch_size,
-                        "data_parallel": cfg.data_parallel, "device": cfg.device, "comm_payload": cfg.comm_payload,
+            if cfg.profiling.profile:
+                s, device = cfg.schedule, cfg.training.device
+                meta = {"model": cfg.model.name, "schedule": s.name, "stages": s.stages, "mode": s.mode,
+                        "micro_batches": s.micro_batches, "micro_batch_size": s.micro_batch_size,
+                        "data_parallel": s.data_parallel, "device": device, "comm_payload": cfg.profiling.comm_payload,
                         "training_result": cfg.is_training_result, "profile_steps": sorted({e.iteration for e in events}),
-                        "clock_offsets_s": job.clock_offsets, "clock_uncertainty_s": job.clock_uncertainty,
-                        "clock": "CUDA events" if cfg.device == "cuda" else "CLOCK_MONOTONIC"}
-                paths = write_profile(cfg.run_name, events, job.plan.schedule, job.plan.world_size, meta,
-                                      job.profile_dir)
+                        "clock_offsets_s": ray_job.clock_offsets, "clock_uncertainty_s": ray_job.clock_uncertainty,
+                        "clock": "CUDA events" if device == "cuda" else "CLOCK_MONOTONIC"}
+                paths = write_profile(cfg.run_name, events, job.schedule, job.world_size, meta, ray_job.profile_dir)
                 if progress:
                     print("profile: " + " ".join(str(p) for p in paths.values()))
     finally:
@@ -372,6 +383,7 @@ def run(cfg: TrainConfig, *, out: str | Path | None = None, progress: bool = Tru
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train a model with a Chimera / 1F1B / GPipe pipeline on Ray.")
     add_train_args(p)
+    add_launch_args(p)
     p.add_argument("--out", default=None, help="JSONL metrics file (default: profiles/<run name>.metrics.jsonl)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -380,15 +392,16 @@ def build_parser() -> argparse.ArgumentParser:
 def run_from_args(ns: argparse.Namespace) -> int:
     """Run from parsed flags; configuration errors: one line, exit code 2."""
     try:
-        cfg = config_from_args(ns)
-        cfg.check()
+        job = config_from_args(ns).check()
+        launch = launch_from_args(ns).check()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    cfg = job.cfg
     out = ns.out or f"profiles/{cfg.run_name}.metrics.jsonl"
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        records = run(cfg, out=out, progress=not ns.no_progress)
+        records = run(job, launch, out=out, progress=not ns.no_progress)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from chimera.runtime.config import PLACEMENTS as POLICIES  # one list of policies: the config's
+from ray_launch.config import PLACEMENTS as POLICIES  # one list of policies: the config's
 
 
 class PlacementError(RuntimeError):

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from chimera.cli import main
-from chimera.data import CorpusBertDataset, TokenizedCorpus, build_dataset, load_info, permute
+from chimera.config import ConfigError, TrainConfig
+from chimera.data import CorpusBertDataset, TokenizedCorpus, load_info, permute, text_dataset
 from chimera.data.corpus import SAMPLE_CORPUS, tokenized_dir
 from chimera.data.tokenizer import build_tokenizers, load_tokenizer
 from chimera.models import build_model
-from chimera.runtime import ConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DUMP = (Path(gensim.__file__).parent / "test" / "test_data"
@@ -28,8 +28,8 @@ def _documents(text: str) -> list[list[str]]:
 
 
 def _bert(seq_len: int = 128, mbs: int = 8, n: int = 4, w: int = 2, seed: int = 0) -> CorpusBertDataset:
-    model = build_model("bert-tiny", seq_len=seq_len)
-    ds = build_dataset(model, mbs, seq_len, seed, corpus="sample", microbatches=n, data_parallel=w)
+    model = build_model("bert-tiny", seq_len=seq_len, corpus="sample")
+    ds = model.dataset(mbs, seed, microbatches=n, data_parallel=w)
     assert isinstance(ds, CorpusBertDataset)
     return ds
 
@@ -139,7 +139,7 @@ def test_bert_structure() -> None:
 def test_same_address_same_samples_and_ranks_disjoint(family) -> None:
     def make():
         model = build_model("bert-tiny" if family == "bert" else "gpt2-tiny", seq_len=64)
-        return build_dataset(model, 4, 64, 5, corpus="sample", microbatches=4, data_parallel=2)
+        return text_dataset(family, model.vocab_size, 64, "sample", 4, 5, microbatches=4, data_parallel=2)
 
     a, b = make(), make()  # two workers
     ia, la = a.get(2, 3, 1)
@@ -152,19 +152,20 @@ def test_same_address_same_samples_and_ranks_disjoint(family) -> None:
 
 
 def test_default_config_reads_the_sample_and_takes_its_vocabulary() -> None:
-    assert TrainConfig().corpus == "sample"
-    assert TrainConfig(model="bert-mini", stages=2, micro_batches=2).check().model.vocab_size == 8192
-    assert TrainConfig(model="gpt2-small", stages=2, micro_batches=2, seq_len=64).check().model.vocab_size == 8192
-    assert TrainConfig(model="bert-mini", corpus="synthetic", stages=2, micro_batches=2).check().model.vocab_size == 30522
+    assert TrainConfig().model.corpus == "sample"
+    assert TrainConfig.from_flags(model="bert-mini", stages=2, micro_batches=2).check().chain.vocab_size == 8192
+    assert TrainConfig.from_flags(model="gpt2-small", stages=2, micro_batches=2, seq_len=64).check().chain.vocab_size == 8192
+    assert TrainConfig.from_flags(model="bert-mini", corpus="synthetic", stages=2, micro_batches=2
+                                  ).check().chain.vocab_size == 30522
     with pytest.raises(ConfigError, match="contradicts the bert tokenizer"):
-        TrainConfig(model="bert-tiny", stages=2, micro_batches=2, model_overrides={"vocab_size": 500}).check()
+        TrainConfig.from_flags(model="bert-tiny", stages=2, micro_batches=2, model_overrides={"vocab_size": 500}).check()
 
 
 def test_pipeline_reads_the_corpus_like_the_sequential_reference() -> None:
     from chimera.runtime import run_local, train_sequential
 
-    cfg = TrainConfig(model="gpt2-tiny", schedule="1f1b", stages=2, micro_batches=2, micro_batch_size=2,
+    cfg = TrainConfig.from_flags(model="gpt2-tiny", schedule="1f1b", stages=2, micro_batches=2, micro_batch_size=2,
                       data_parallel=2, seq_len=32, steps=2, optimizer="adamw", timeout_s=60)
-    ref, _ = train_sequential(cfg)
-    for m, r in zip(run_local(cfg).metrics, ref):
+    ref = train_sequential(cfg)
+    for m, r in zip(run_local(cfg).metrics, ref.losses):
         assert abs(m["loss"] - r) <= 1e-6

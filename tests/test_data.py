@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chimera.data import PipelineDataset, SyntheticBertDataset, SyntheticGPT2Dataset, build_dataset, mix_seed
+from chimera.data import (
+    PipelineDataset,
+    SyntheticBertDataset,
+    SyntheticGPT2Dataset,
+    Units,
+    mix_seed,
+    text_dataset,
+)
 from chimera.data.synthetic import CLS_ID, FIRST_WORD_ID, MASK_ID, SEP_ID
 from chimera.models import build_model
 
@@ -77,13 +84,26 @@ def test_gpt2_labels_are_ids() -> None:
     assert int(inputs["input_ids"].max()) < 1000
 
 
-def test_build_dataset_and_errors() -> None:
-    bert = build_dataset(build_model("bert-tiny"), micro_batch_size=2, seq_len=32, seed=0)
+def test_preset_datasets_and_errors() -> None:
+    bert = build_model("bert-tiny", seq_len=32).dataset(2, 0)
     assert isinstance(bert, SyntheticBertDataset) and bert.seq_len == 32 and bert.micro_batch_size == 2
-    gpt = build_dataset(build_model("gpt2-tiny"), micro_batch_size=3)
+    gpt = build_model("gpt2-tiny").dataset(3, 0)
     assert isinstance(gpt, SyntheticGPT2Dataset) and gpt.seq_len == build_model("gpt2-tiny").seq_len
     assert gpt.vocab_size == 8192
+    with pytest.raises(ValueError, match="tokenizer"):
+        text_dataset("bert", 1000, 64, "sample", 2)
     with pytest.raises(ValueError, match="seq_len"):
         SyntheticBertDataset(8192, 4, 2)
     with pytest.raises(ValueError, match="vocab_size"):
         SyntheticBertDataset(100, 16, 2)
+
+
+def test_units_are_halves_of_micro_batches() -> None:
+    """Backward halving trains on units of B/2 samples: unit 2m and 2m+1 are the two halves of micro-batch m."""
+    ds = build_model("gpt2-tiny", seq_len=16).dataset(4, 3)
+    halves = Units(ds, 2)
+    for m in range(3):
+        whole = ds.get(1, m, 0)[0]["input_ids"]
+        first, second = halves.get(1, 2 * m, 0)[0]["input_ids"], halves.get(1, 2 * m + 1, 0)[0]["input_ids"]
+        assert torch.equal(torch.cat([first, second]), whole) and first.shape[0] == 2
+    assert Units(ds, 1).get(1, 0, 0)[1]["labels"].shape[0] == 4

@@ -1,4 +1,5 @@
-"""Layered models: stage/sequential parity, tied weights, transformers parity, specs, partition."""
+"""Transformer presets as layer chains: stage/sequential parity, tied weights, transformers parity, inferred
+boundaries, partition."""
 
 from __future__ import annotations
 
@@ -6,14 +7,13 @@ import pytest
 import torch
 from transformers import BertForPreTraining, GPT2LMHeadModel
 
-from chimera.data import build_dataset
 from chimera.models import SequentialModel, StageModule, TensorSpec, build_model, build_stage, partition
 
 B, S, SEED = 2, 16, 7
 
 
 def _batch(model, step: int = 0, pad: int = 0):
-    inputs, labels = build_dataset(model, B, S, seed=SEED).get(step, 0, 0)
+    inputs, labels = model.dataset(B, SEED).get(step, 0, 0)
     if pad:  # right-pad the second sample
         inputs["attention_mask"][1, -pad:] = 0
         labels["labels"][1, -pad:] = -100
@@ -144,22 +144,21 @@ def test_gpt2_matches_transformers(pad: int) -> None:
     assert abs(ours.item() - theirs.item()) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["bert-tiny", "gpt2-tiny"])
-def test_activation_spec_matches_outputs(name: str) -> None:
+@pytest.mark.parametrize("name", ["bert-tiny", "gpt2-tiny", "delay"])
+def test_boundaries_inferred_on_meta_match_real_outputs(name: str) -> None:
     model = build_model(name, seq_len=S)
     inputs, labels = _batch(model)
     layers = model.build_layers(range(model.num_layers), seed=SEED)
-    acts = layers[0](inputs)
+    specs = model.boundaries(B)
+    assert specs[0] == [] and len(specs) == model.num_layers
+    acts = layers[0](**inputs)
     for boundary in range(1, model.num_layers):
-        spec = model.activation_spec(boundary, B, S)
+        acts = acts if isinstance(acts, tuple) else (acts,)
         got = [TensorSpec(tuple(a.shape), a.dtype, a.requires_grad) for a in acts]
-        assert got == spec, boundary
+        assert got == specs[boundary], boundary
         if boundary < model.num_layers - 1:
             acts = layers[boundary](*acts)
-    with pytest.raises(ValueError, match="boundary"):
-        model.activation_spec(0, B, S)
-    with pytest.raises(ValueError, match="boundary"):
-        model.activation_spec(model.num_layers, B, S)
+    assert model.boundaries(2 * B)[1][0].shape[0] == 2 * B  # any micro-batch size, from the one example
 
 
 def test_single_stage_and_stage_errors() -> None:

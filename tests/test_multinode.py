@@ -11,14 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from chimera.runtime import TrainConfig, stage_params_by_layer, train_sequential
+from chimera.config import TrainConfig
+from chimera.runtime import stage_params_by_layer, train_sequential
+from ray_launch.config import LaunchConfig
 from ray_launch.driver import RayJob
 from ray_launch.placement import Node, PlacementError, assign
 from tests.conftest import node_ids
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
-DELAY = TrainConfig(model="delay", model_overrides={"num_blocks": 4, "fwd_s": 0.001}, schedule="chimera", stages=4,
+DELAY = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": 4, "fwd_s": 0.001}, schedule="chimera", stages=4,
                     micro_batches=4, micro_batch_size=2, data_parallel=2, steps=1, optimizer="sgd", timeout_s=60)
 
 
@@ -44,7 +46,7 @@ def test_placement_policies_put_workers_on_expected_nodes(ray_cluster, policy, e
     import ray
 
     ids = node_ids(ray)
-    with RayJob(DELAY.replace(placement=policy), log=lambda m: None) as job:
+    with RayJob(DELAY, LaunchConfig(placement=policy), log=lambda m: None) as job:
         job.step(0)
         assert _nodes_of(job) == [ids[n] for n in expected]
 
@@ -53,20 +55,20 @@ def test_chimera_across_two_nodes_spread_equals_sequential(ray_cluster):
     import ray
 
     ids = node_ids(ray)
-    cfg = TrainConfig(model="bert-tiny", schedule="chimera", stages=4, micro_batches=4, micro_batch_size=2,
-                      seq_len=16, data_parallel=2, steps=3, optimizer="adamw", timeout_s=60, placement="spread",
+    cfg = TrainConfig.from_flags(model="bert-tiny", schedule="chimera", stages=4, micro_batches=4, micro_batch_size=2,
+                      seq_len=16, data_parallel=2, steps=3, optimizer="adamw", timeout_s=60,
                       check_replicas=True, corpus="synthetic")
-    with RayJob(cfg, log=lambda m: None) as job:
-        records = [job.step(s) for s in range(cfg.steps)]
+    with RayJob(cfg, LaunchConfig(placement="spread"), log=lambda m: None) as job:
+        records = [job.step(s) for s in range(cfg.training.steps)]
         states = job.states()
         assert _nodes_of(job) == [ids["node_a"], ids["node_b"]] * 4  # every pipeline edge crosses nodes
-    ref_losses, ref = train_sequential(cfg)
-    assert all(abs(r["loss"] - x) <= 1e-6 for r, x in zip(records, ref_losses))
-    plan = cfg.check()
+    job = cfg.check()
+    ref = train_sequential(job)
+    assert all(abs(r["loss"] - x) <= 1e-6 for r, x in zip(records, ref.losses))
     for state in states:
         for (_, stage), params in state.items():
-            for k, v in stage_params_by_layer(params, plan.stage_layers[stage]).items():
-                assert (v - ref[k]).abs().max().item() <= 1e-5
+            for k, v in stage_params_by_layer(params, job.stage_layers[stage]).items():
+                assert (v - ref.params[k]).abs().max().item() <= 1e-5
 
 
 def test_pre_cmd_runs_once_per_node(ray_cluster, tmp_path):
@@ -75,7 +77,7 @@ def test_pre_cmd_runs_once_per_node(ray_cluster, tmp_path):
     marker = tmp_path / "markers"
     marker.mkdir()
     cmd = f'touch "{marker}/$CHIMERA_NODE_ID.$$"'
-    with RayJob(DELAY.replace(data_parallel=1, pre_cmd=(cmd,)), log=lambda m: None) as job:
+    with RayJob(DELAY.with_flags(data_parallel=1), LaunchConfig(pre_cmd=(cmd,)), log=lambda m: None) as job:
         job.step(0)
     files = sorted(p.name.split(".")[0] for p in marker.iterdir())
     assert files == sorted(node_ids(ray).values())  # one marker per node, no node twice

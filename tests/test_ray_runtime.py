@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from chimera.runtime import ConfigError, TrainConfig, stage_params_by_layer, train_sequential
+from chimera.config import ConfigError, TrainConfig
+from chimera.runtime import stage_params_by_layer, train_sequential
 from ray_launch.driver import RayJob, RunError, run
 from tests.conftest import alive_actors
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
-BASE = TrainConfig(model="bert-tiny", micro_batch_size=2, seq_len=16, steps=3, optimizer="adamw", timeout_s=60,
+BASE = TrainConfig.from_flags(model="bert-tiny", micro_batch_size=2, seq_len=16, steps=3, optimizer="adamw", timeout_s=60,
                    check_replicas=True, corpus="synthetic")
 
 
@@ -26,27 +27,27 @@ def _wait_no_actors(ray, timeout=20.0):
 
 
 def test_chimera_on_ray_equals_sequential(ray_session, tmp_path):
-    cfg = BASE.replace(schedule="chimera", stages=4, micro_batches=4, model="gpt2-tiny")
-    with RayJob(cfg) as job:
-        records = list(job.steps(range(cfg.steps), ahead=2))  # steps queued on the actors ahead of the driver
-        states = job.states()
-        nodes = {i["node_id"] for i in job.infos}
-    ref_losses, ref = train_sequential(cfg)
-    for rec, r in zip(records, ref_losses):
+    cfg = BASE.with_flags(schedule="chimera", stages=4, micro_batches=4, model="gpt2-tiny")
+    job = cfg.check()
+    with RayJob(job) as ray_job:
+        records = list(ray_job.steps(range(cfg.training.steps), ahead=2))  # queued on the actors ahead of the driver
+        states = ray_job.states()
+        nodes = {i["node_id"] for i in ray_job.infos}
+    ref = train_sequential(job)
+    for rec, r in zip(records, ref.losses):
         assert abs(rec["loss"] - r) <= 1e-6
-    plan = cfg.check()
     for state in states:
         for (_, stage), params in state.items():
-            for k, v in stage_params_by_layer(params, plan.stage_layers[stage]).items():
-                assert (v - ref[k]).abs().max().item() <= 1e-5
-    assert [r["step"] for r in records] == list(range(cfg.steps))
+            for k, v in stage_params_by_layer(params, job.stage_layers[stage]).items():
+                assert (v - ref.params[k]).abs().max().item() <= 1e-5
+    assert [r["step"] for r in records] == list(range(cfg.training.steps))
     assert len(states) == 4 and len(nodes) == 1
     assert _wait_no_actors(ray_session) == []
 
 
 def test_run_writes_jsonl_metrics(ray_session, tmp_path):
     out = tmp_path / "m.jsonl"
-    records = run(BASE.replace(schedule="1f1b", stages=2, micro_batches=2, steps=2), out=out, progress=False)
+    records = run(BASE.with_flags(schedule="1f1b", stages=2, micro_batches=2, steps=2), out=out, progress=False)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert lines == records and [r["step"] for r in lines] == [0, 1]
     assert {"step", "loss", "step_time_s", "samples_per_s"} <= set(lines[0])
@@ -55,7 +56,7 @@ def test_run_writes_jsonl_metrics(ray_session, tmp_path):
 
 def test_stalled_worker_is_named_and_actors_are_gone(ray_session):
     # run() keeps the next step queued on the actors: the failure of step 0 is reported, the queued step dies
-    cfg = BASE.replace(schedule="chimera", stages=2, micro_batches=2, steps=3, timeout_s=3, debug_stall=(1, 30.0))
+    cfg = BASE.with_flags(schedule="chimera", stages=2, micro_batches=2, steps=3, timeout_s=3, debug_stall=(1, 30.0))
     t0 = time.monotonic()
     with pytest.raises(RunError) as e:
         run(cfg, progress=False)
@@ -68,13 +69,13 @@ def test_stalled_worker_is_named_and_actors_are_gone(ray_session):
 def test_invalid_config_refused_before_any_actor(ray_session):
     before = len(alive_actors(ray_session))
     with pytest.raises(ConfigError, match="even number"):
-        run(BASE.replace(schedule="chimera", stages=3, micro_batches=3), progress=False)
+        run(BASE.with_flags(schedule="chimera", stages=3, micro_batches=3), progress=False)
     assert len(alive_actors(ray_session)) == before
 
 
 def test_too_few_resources_is_a_clear_error(ray_session):
     with pytest.raises(RunError, match="cluster has .* CPU but 16 workers need"):
-        run(BASE.replace(schedule="1f1b", stages=4, micro_batches=4, data_parallel=4, model="gpt2-tiny"),
+        run(BASE.with_flags(schedule="1f1b", stages=4, micro_batches=4, data_parallel=4, model="gpt2-tiny"),
             progress=False)
     assert _wait_no_actors(ray_session) == []
 

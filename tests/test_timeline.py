@@ -10,20 +10,21 @@ from pathlib import Path
 import pytest
 
 from chimera.cli import main as cli_main
-from chimera.runtime import TrainConfig, run_local
+from chimera.config import TrainConfig
+from chimera.runtime import run_local
 from chimera.timeline.analysis import step_stats
 from chimera.timeline.nsight import events_from_nsys_sqlite
 from chimera.timeline.report import load_events, render, timeline_figure, write_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-CFG = TrainConfig(model="bert-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
+CFG = TrainConfig.from_flags(model="bert-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
                   steps=3, optimizer="adamw", timeout_s=60, profile=True, profile_steps=(1, 2), corpus="synthetic")
 
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
-    res = run_local(CFG)
     plan = CFG.check()
+    res = run_local(plan)
     out = tmp_path_factory.mktemp("profiles")
     meta = {"comm_payload": "full", "training_result": True}
     paths = write_profile(CFG.run_name, res.events, plan.schedule, plan.world_size, meta, out)
@@ -80,12 +81,12 @@ def test_summary_bubble_matches_events(profiled):
 
 
 def test_single_byte_mode_counts_one_byte_payloads(tmp_path):
-    cfg = CFG.replace(comm_payload="single-byte", data_parallel=2, steps=2, profile_steps=(1,))
+    cfg = CFG.with_flags(comm_payload="single-byte", data_parallel=2, steps=2, profile_steps=(1,))
     res = run_local(cfg)
     for m in res.metrics:
         assert m["payload_sizes"] and set(m["payload_sizes"]) == {"1"}
         assert m["training_result"] is False and m["comm_bytes"] == m["comm_messages"]
-    full = run_local(cfg.replace(comm_payload="full", profile=False))
+    full = run_local(cfg.with_flags(comm_payload="full", profile=False))
     assert all(int(k) > 1 for k in full.metrics[0]["payload_sizes"])
     plan = cfg.check()
     paths = write_profile(cfg.run_name, res.events, plan.schedule, plan.world_size,

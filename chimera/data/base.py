@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from chimera.microbatch import split
 
 Batch = dict[str, torch.Tensor]
 _M64 = (1 << 64) - 1
@@ -14,16 +17,52 @@ _M64 = (1 << 64) - 1
 class PipelineDataset(Protocol):
     """Micro-batches addressed by ``(step, microbatch, dp_rank)``, deterministic from that address.
 
-    ``get`` returns ``(inputs, labels)``: the first stage reads ``inputs``, the last stage ``labels``.
+    ``get`` returns ``(inputs, labels)``: the first stage reads ``inputs``, the last stage's loss ``labels``.
     Two processes asking for the same address get identical tensors.
     """
 
-    micro_batch_size: int
-    seq_len: int
-
-    def get(self, step: int, microbatch: int, dp_rank: int) -> tuple[Batch, Batch]:
+    def get(self, step: int, microbatch: int, dp_rank: int) -> tuple[Any, Any]:
         """Inputs and labels of one micro-batch."""
         ...
+
+
+class FunctionDataset:
+    """A function ``fn(step, microbatch, dp_rank) -> (inputs, labels)`` used as a :class:`PipelineDataset`."""
+
+    def __init__(self, fn: Callable[[int, int, int], tuple[Any, Any]]) -> None:
+        self.fn = fn
+
+    def get(self, step: int, microbatch: int, dp_rank: int) -> tuple[Any, Any]:
+        return self.fn(step, microbatch, dp_rank)
+
+
+def as_dataset(data: Any) -> PipelineDataset:
+    """``data`` as a dataset: an object with ``get(step, microbatch, dp_rank)``, or such a function."""
+    if hasattr(data, "get") and callable(data.get):
+        return data
+    if callable(data):
+        return FunctionDataset(data)
+    raise TypeError(f"data must be a function (step, micro-batch, data-parallel rank) -> (inputs, labels) or an "
+                    f"object with such a get() method, got {type(data).__name__}")
+
+
+class Units:
+    """A step's micro-batches as a schedule's units: with ``parts`` > 1 (backward halving: 2) unit ``u`` is part
+    ``u % parts`` (along dim 0) of micro-batch ``u // parts``, so halved schedules train on the same samples."""
+
+    def __init__(self, dataset: PipelineDataset, parts: int = 1) -> None:
+        self.dataset = dataset
+        self.parts = parts
+        self._last: tuple[tuple[int, int, int], list[Any]] | None = None
+
+    def get(self, step: int, unit: int, dp_rank: int) -> tuple[Any, Any]:
+        """Inputs and labels of unit ``unit`` of ``step`` on data-parallel rank ``dp_rank``."""
+        if self.parts == 1:
+            return self.dataset.get(step, unit, dp_rank)
+        address = (step, unit // self.parts, dp_rank)
+        if self._last is None or self._last[0] != address:
+            self._last = (address, split(self.dataset.get(*address), self.parts))
+        return self._last[1][unit % self.parts]
 
 
 def _splitmix64(x: int) -> int:

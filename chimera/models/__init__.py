@@ -1,8 +1,8 @@
-"""Transformer models decomposed into ordered layers, presets, partitioning and pipeline stages."""
+"""Models as layer chains (the contract), transformer and delay presets, partitioning and pipeline stages."""
 
 from typing import Any
 
-from chimera.models.base import LayeredModel, TensorSpec, layer_seed
+from chimera.models.chain import ChainError, LayerChain, TensorSpec, layer_seed
 from chimera.models.partition import partition
 from chimera.models.presets import PRESETS, build_model
 from chimera.models.stage import SequentialModel, StageModule, build_stage
@@ -10,8 +10,9 @@ from chimera.models.stage import SequentialModel, StageModule, build_stage
 __all__ = [
     "PRESETS",
     "BertPretraining",
+    "ChainError",
     "GPT2LM",
-    "LayeredModel",
+    "LayerChain",
     "SequentialModel",
     "StageModule",
     "TensorSpec",

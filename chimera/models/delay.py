@@ -1,5 +1,8 @@
 """A delay model for measuring schedules: forward sleeps ``fwd_s``, backward ``bwd_factor * fwd_s`` per block.
 
+A layer chain ``[embedding, sleeping block x num_blocks, head]`` over ``[B, hidden]`` activations with an MSE
+loss and random regression data.
+
 Sleeping instead of computing lets D workers share 2 cores without fighting over them, so measured
 bubbles reflect the schedule and the runtime, not CPU contention. With ``num_blocks = D`` and the uniform
 partition every stage holds exactly one sleeping block (the embedding and head are tiny linear layers).
@@ -9,12 +12,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from chimera.models.base import LayeredModel, TensorSpec, layer_generator
+from chimera.data.synthetic import SyntheticRegressionDataset
+from chimera.models.chain import LayerChain
+from chimera.models.transformer import own_generator
 
 
 @dataclass
@@ -25,7 +31,6 @@ class DelayConfig:
     hidden_size: int = 16
     fwd_s: float = 0.05
     bwd_factor: float = 2.0
-    max_position_embeddings: int = 1 << 30  # no positions: any --seq-len is accepted and ignored
 
 
 class _Sleep(torch.autograd.Function):
@@ -46,8 +51,8 @@ class _Embed(nn.Module):
         super().__init__()
         self.proj = nn.Linear(h, h)
 
-    def forward(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
-        return (self.proj(inputs["x"]),)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
 
 
 class _Block(nn.Module):
@@ -56,52 +61,43 @@ class _Block(nn.Module):
         self.proj = nn.Linear(h, h)
         self.fwd_s, self.bwd_s = fwd_s, bwd_s
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-        return (_Sleep.apply(self.proj(x), self.fwd_s, self.bwd_s),)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(self.proj(x), self.fwd_s, self.bwd_s)
 
 
-class _Head(nn.Module):
-    def __init__(self, h: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(h, h)
-
-    def forward(self, x: torch.Tensor, labels: dict[str, torch.Tensor]) -> torch.Tensor:
-        return nn.functional.mse_loss(self.proj(x), labels["y"])
+def _mse(out: torch.Tensor, labels: dict[str, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(out, labels["y"])
 
 
-class DelayModel(LayeredModel):
+def _layer(config: DelayConfig, index: int) -> nn.Module:
+    h = config.hidden_size
+    if index == 0:
+        layer: nn.Module = _Embed(h)
+    elif index == config.num_blocks + 1:
+        layer = nn.Linear(h, h)
+    else:
+        layer = _Block(h, config.fwd_s, config.fwd_s * config.bwd_factor)
+    gen = own_generator()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.1, generator=gen)
+    return layer
+
+
+def _data(hidden: int, micro_batch_size: int, seed: int, microbatches: int, data_parallel: int
+          ) -> SyntheticRegressionDataset:
+    return SyntheticRegressionDataset(hidden, micro_batch_size, seed)
+
+
+class DelayModel(LayerChain):
     """Embedding, ``num_blocks`` sleeping blocks, regression head; activations are ``[B, hidden]``."""
 
     family = "delay"
 
-    @property
-    def num_blocks(self) -> int:
-        return int(self.config.num_blocks)
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config.hidden_size)
-
-    @property
-    def vocab_size(self) -> int:
-        return 0
-
-    def _make_layer(self, index: int) -> nn.Module:
-        h = self.hidden_size
-        if index == 0:
-            return _Embed(h)
-        if index == self.num_layers - 1:
-            return _Head(h)
-        return _Block(h, self.config.fwd_s, self.config.fwd_s * self.config.bwd_factor)
-
-    def _init_layer(self, index: int, layer: nn.Module, seed: int) -> None:
-        gen = layer_generator(seed, index)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.normal_(0.0, 0.1, generator=gen)
-
-    def tied_parameters(self) -> list[tuple[tuple[int, str], tuple[int, str]]]:
-        return []
-
-    def activation_spec(self, boundary: int, micro_batch_size: int, seq_len: int) -> list[TensorSpec]:
-        return [TensorSpec((micro_batch_size, self.hidden_size), torch.float32, True)]
+    def __init__(self, name: str, config: DelayConfig) -> None:
+        if config.num_blocks < 1:
+            raise ValueError(f"{name} needs at least one block, got num_blocks={config.num_blocks}")
+        self.config = config
+        layers = [partial(_layer, config, i) for i in range(config.num_blocks + 2)]
+        example = SyntheticRegressionDataset(config.hidden_size, 1, 0).get(0, 0, 0)
+        super().__init__(layers, _mse, example, name=name, data=partial(_data, config.hidden_size))

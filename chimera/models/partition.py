@@ -1,12 +1,13 @@
-"""Split the layers of a :class:`LayeredModel` into ``D`` consecutive, non-empty stages.
+"""Split the layers of a :class:`LayerChain` into ``D`` consecutive, non-empty stages.
 
 Methods:
 
-- ``"uniform"``: balance transformer blocks. The ``L`` blocks are spread as evenly as possible over the
-  ``D`` stages; the embeddings join stage 0 and the head joins stage ``D-1``. When the blocks do not
-  divide evenly, the extra blocks go to the middle stages first, then to stage 0, and to the last stage
-  only as a last resort, because the first and last stages already carry the embeddings and the (large,
-  vocabulary-sized) head. With ``D > L`` the embeddings and then the head get stages of their own.
+- ``"uniform"``: balance the inner layers (a transformer's blocks). The ``L`` layers between the first and the
+  last are spread as evenly as possible over the ``D`` stages; the first layer (embeddings) joins stage 0 and
+  the last (head) joins stage ``D-1``. When they do not divide evenly, the extra layers go to the middle
+  stages first, then to stage 0, and to the last stage only as a last resort, because the first and last
+  stages already carry the embeddings and the (large, vocabulary-sized) head. With ``D > L`` the first and
+  then the last layer get stages of their own.
 - ``"params"``: contiguous split that minimises the largest per-stage parameter count (a tied weight
   counts in each stage that stores a copy).
 - explicit: a list of ``D`` stage sizes (layers per stage, summing to ``num_layers``), a list of ``D+1``
@@ -17,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from chimera.models.base import LayeredModel
+from chimera.models.chain import LayerChain
 
 
-def _check_stages(model: LayeredModel, stages: int) -> None:
+def _check_stages(model: LayerChain, stages: int) -> None:
     if stages < 1:
         raise ValueError(f"the number of stages must be >= 1, got D={stages}; use --stages >= 1")
     if stages > model.num_layers:
@@ -82,11 +83,11 @@ def _params_sizes(counts: Sequence[int], stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def _explicit(model: LayeredModel, stages: int, spec: Sequence[int]) -> list[int]:
+def _explicit(model: LayerChain, stages: int, spec: Sequence[int]) -> list[int]:
     spec = [int(x) for x in spec]
     n = model.num_layers
     hint = (
-        f"give {stages} stage sizes summing to {n} (e.g. {_uniform_sizes(model.num_blocks, stages)}) "
+        f"give {stages} stage sizes summing to {n} (e.g. {_uniform_sizes(model.num_layers - 2, stages)}) "
         f"or {stages + 1} boundaries from 0 to {n}"
     )
     if len(spec) == stages:
@@ -105,12 +106,12 @@ def _explicit(model: LayeredModel, stages: int, spec: Sequence[int]) -> list[int
     raise ValueError(f"explicit partition {spec} has {len(spec)} entries for D={stages}; {hint}")
 
 
-def partition(model: LayeredModel, stages: int, method: str | Sequence[int] = "uniform") -> list[list[int]]:
+def partition(model: LayerChain, stages: int, method: str | Sequence[int] = "uniform") -> list[list[int]]:
     """Layer indices of each of the ``stages`` stages (consecutive, covering all layers, non-empty)."""
     _check_stages(model, stages)
     if isinstance(method, str):
         if method == "uniform":
-            sizes = _uniform_sizes(model.num_blocks, stages)
+            sizes = _uniform_sizes(model.num_layers - 2, stages)
         elif method == "params":
             sizes = _params_sizes(model.layer_num_params(), stages)
         elif method.replace(",", "").replace(" ", "").isdigit():

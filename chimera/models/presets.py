@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from chimera.models.base import LayeredModel
+from chimera.models.chain import LayerChain
 from chimera.models.delay import DelayConfig, DelayModel
 
 _BERT_DETERMINISTIC = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
@@ -71,11 +71,12 @@ PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
     "gpt2-small": _gpt2(12, 768, 12),
     "gpt2-1.3b": _gpt2(64, 1280, 20, seq_len=632),
     # sleeps instead of computing: for measuring schedules (override num_blocks=D, fwd_s=seconds)
-    "delay": lambda: {"family": "delay", "seq_len": 1, "config": {"num_blocks": 4, "hidden_size": 16, "fwd_s": 0.05}},
+    "delay": lambda: {"family": "delay", "config": {"num_blocks": 4, "hidden_size": 16, "fwd_s": 0.05}},
 }
 
-def _family(family: str) -> tuple[type, type[LayeredModel]]:
-    """Config and model class of ``family``; transformers is imported only for the families that need it
+
+def _family(family: str) -> tuple[type, type[LayerChain]]:
+    """Config and chain class of ``family``; transformers is imported only for the families that need it
     (importing it costs ~3 s of CPU, paid by every worker process of a delay-model run otherwise)."""
     if family == "bert":
         from transformers import BertConfig
@@ -92,20 +93,24 @@ def _family(family: str) -> tuple[type, type[LayeredModel]]:
     return DelayConfig, DelayModel
 
 
-def build_model(name: str, *, seq_len: int | None = None, **overrides: Any) -> LayeredModel:
-    """Build the preset ``name``; ``overrides`` set config fields (e.g. ``num_hidden_layers=4``).
+def build_model(name: str, *, seq_len: int | None = None, corpus: str | None = None, **overrides: Any) -> LayerChain:
+    """The layer chain of preset ``name``; ``overrides`` set config fields (e.g. ``num_hidden_layers=4``).
 
-    ``seq_len`` replaces the preset's default sequence length (must fit the position embeddings).
+    Transformer presets: ``seq_len`` replaces the preset's default sequence length (it must fit the position
+    embeddings) and ``corpus`` names the data of :meth:`LayerChain.dataset` (None: synthetic tokens). The delay
+    model has no sequence and always reads random regression data.
     """
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))}")
     preset = PRESETS[name]()
-    config_cls, model_cls = _family(preset["family"])
+    config_cls, chain_cls = _family(preset["family"])
     config = config_cls(**preset["config"])
     for key, value in overrides.items():
         if not hasattr(config, key):
             raise ValueError(f"{config_cls.__name__} has no field {key!r} (override for model {name!r})")
         setattr(config, key, value)
+    if preset["family"] == "delay":
+        return chain_cls(name, config)
     config._attn_implementation = "eager"
     seq_len = preset["seq_len"] if seq_len is None else seq_len
     max_pos = int(config.max_position_embeddings)
@@ -114,7 +119,7 @@ def build_model(name: str, *, seq_len: int | None = None, **overrides: Any) -> L
             f"seq_len={seq_len} does not fit {name} (max_position_embeddings={max_pos}); "
             f"use a seq_len in [1, {max_pos}] or override max_position_embeddings"
         )
-    model = model_cls(name, config, seq_len)
-    if model.num_blocks < 1:
-        raise ValueError(f"{name} needs at least one transformer block, got {model.num_blocks}")
-    return model
+    blocks = config.num_hidden_layers if preset["family"] == "bert" else config.n_layer
+    if blocks < 1:
+        raise ValueError(f"{name} needs at least one transformer block, got {blocks}")
+    return chain_cls(name, config, seq_len, corpus)

@@ -1,4 +1,4 @@
-"""The one communication layer: torch.distributed p2p batches, bucketed gradient allreduce, timeouts.
+"""The one communication layer: process groups, p2p batches, timed waits (gradient buckets: ``grad_sync``).
 
 Process groups (created in the same order on every rank):
 
@@ -9,8 +9,9 @@ Process groups (created in the same order on every rank):
 * one group for tied weights (the ranks holding the first or the last stage), when the model ties them;
 * the default group (all ranks) for the global gradient norm.
 
-Every wait has a deadline; a stall raises :class:`StallError` naming the worker, the action and the
-micro-batch.
+:class:`CommBatches` posts a worker's communication batches (runs of send/receive actions of the schedule)
+and keeps their handles. Every wait has a deadline; a stall raises :class:`StallError` naming the worker,
+the action and the micro-batch.
 
 Payload modes: ``full`` (training) or ``single-byte`` (profiling compute alone): every p2p message and
 every allreduce carries one byte; a receiver zero-fills its buffer and allreduced tensors keep their local
@@ -22,14 +23,17 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from chimera.schedule import Schedule
+from chimera.job import Job
+from chimera.runtime.step_state import StepState
+from chimera.schedule import Action, Schedule
+from chimera.schedule.kinds import Msg, Res, message
 
 
 class StallError(RuntimeError):
@@ -37,6 +41,15 @@ class StallError(RuntimeError):
 
 
 PAYLOADS = ("full", "single-byte")
+
+
+class Op(NamedTuple):
+    """One point-to-point operation: send ``tensor`` to, or receive it from, global rank ``peer`` in ``group``."""
+
+    is_send: bool
+    tensor: torch.Tensor
+    peer: int
+    group: Any
 
 
 class Communicator:
@@ -85,37 +98,29 @@ class Communicator:
     def _payload(self, t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(1, dtype=torch.uint8, device=t.device) if self.single_byte else t
 
-    def post(self, ops: list[tuple[str, bool, torch.Tensor, int]]) -> list[dist.Work]:
-        """Post one communication batch: ``(pipe, is_send, tensor, peer_rank)`` items; returns works in order.
+    def post(self, ops: Sequence[Op]) -> list[dist.Work]:
+        """Post ``ops`` at once (one ``batch_isend_irecv`` per process group); returns their works in order.
 
         In single-byte mode a receive's buffer is zero-filled and one byte travels instead.
         """
         if self.single_byte:
-            for _, is_send, t, _ in ops:
-                if not is_send:
-                    t.zero_()
-            ops = [(pipe, is_send, self._payload(t), peer) for pipe, is_send, t, peer in ops]
-        for _, is_send, t, _ in ops:
-            if is_send:
-                self._sizes[t.numel() * t.element_size()] += 1
+            for op in ops:
+                if not op.is_send:
+                    op.tensor.zero_()
+            ops = [op._replace(tensor=self._payload(op.tensor)) for op in ops]
+        for op in ops:
+            if op.is_send:
+                self._sizes[op.tensor.numel() * op.tensor.element_size()] += 1
         works: list[dist.Work] = [None] * len(ops)  # type: ignore[list-item]
-        by_pipe: dict[str, list[int]] = {}
-        for i, (pipe, _, _, _) in enumerate(ops):
-            by_pipe.setdefault(pipe, []).append(i)
-        for pipe, idx in by_pipe.items():
-            group = self.pipe_groups[pipe]
-            p2p = [dist.P2POp(dist.isend if ops[i][1] else dist.irecv, ops[i][2], ops[i][3], group) for i in idx]
+        by_group: dict[int, list[int]] = {}
+        for i, op in enumerate(ops):
+            by_group.setdefault(id(op.group), []).append(i)
+        for idx in by_group.values():
+            p2p = [dist.P2POp(dist.isend if ops[i].is_send else dist.irecv, ops[i].tensor, ops[i].peer, ops[i].group)
+                   for i in idx]
             for i, w in zip(idx, dist.batch_isend_irecv(p2p)):
                 works[i] = w
         return works
-
-    def p2p(self, is_send: bool, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None) -> dist.Work:
-        """Post one send or receive of ``t`` to/from global rank ``peer`` in ``group`` (one byte in single-byte mode)."""
-        buf = self._payload(t)
-        if is_send:
-            self._sizes[buf.numel() * buf.element_size()] += 1
-            return dist.isend(buf, peer, group=group)
-        return dist.irecv(buf, peer, group=group)
 
     def allreduce_async(self, t: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, dist.Work]:
         """Start a SUM allreduce of ``t`` (one byte in single-byte mode); returns (result tensor, work)."""
@@ -149,66 +154,93 @@ class Communicator:
                              ) from None
 
 
-class GradBuckets:
-    """Bucketed, asynchronous SUM-allreduce of a set of parameters' gradients over one group.
 
-    Where the group is a pair of replicas and receives may be posted early (gloo), the sum is an exchange:
-    :meth:`prepost` posts the receive of the peer's bucket at the start of the step, :meth:`start` sends
-    this replica's bucket, :meth:`wait` adds the two. That is one message latency instead of the two
-    rounds of a two-rank ring allreduce, for the same bytes; both replicas compute ``a + b == b + a``
-    bitwise. Other groups use ``all_reduce``.
+
+class CommBatches:
+    """Posts one worker's communication batches and keeps their handles for a step.
+
+    A batch is a run of consecutive send/receive actions (``segments[k]``): its sends take their tensors from
+    the step's outbox, its receives fill buffers shaped from the job's boundary specs and land in the step's
+    inbox. Sends never block; their handles are waited for before the optimizer step (:meth:`wait_sends`).
+
+    On gloo the receives of the next batch are posted together with the current one, one compute action
+    early: gloo moves a message only once its receive is posted, so a receive posted at the last moment costs
+    a notify round trip on the critical path, and one posted early finds the data there. Per channel the
+    receives are still posted in schedule order, so messages match as validated. Not on NCCL, where an early
+    receive would block later sends on the same stream.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None, comm: Communicator,
-                 ranks: Sequence[int] = (), bucket_bytes: int = 25 * 2**20) -> None:
-        self.group = group
+    def __init__(self, comm: Communicator, job: Job, worker: int, segments: Sequence[Sequence[Action]],
+                 device: torch.device, describe: Callable[[Action, int], str]) -> None:
         self.comm = comm
-        others = [r for r in ranks if r != comm.rank]
-        self.peer = others[0] if len(ranks) == 2 and len(others) == 1 and comm.prefetch_recvs else None
-        self.buckets: list[list[torch.nn.Parameter]] = []
-        size = 0
-        for p in params:
-            if not self.buckets or size + p.numel() * p.element_size() > bucket_bytes:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += p.numel() * p.element_size()
-        self._incoming: list[tuple[torch.Tensor, dist.Work]] = []
-        self._pending: list[tuple[list[torch.nn.Parameter], torch.Tensor, list[dist.Work], torch.Tensor | None]] = []
+        self.job = job
+        self.worker = worker
+        self.segments = segments
+        self.device = device
+        self.describe = describe
+        comm_idx = [k for k, seg in enumerate(segments) if seg[0].kind.is_p2p]
+        self.next_comm = dict(zip(comm_idx, comm_idx[1:]))
+        self.prefetched: dict[int, list[tuple[Action, Msg, tuple[torch.Tensor, ...], list[Any]]]] = {}
+        self.send_works: list[tuple[Any, Action, int]] = []
 
-    def prepost(self) -> None:
-        """Post the receives of the peer's buckets (exchange mode only; once per step, before :meth:`start`)."""
-        if self.peer is None or self._incoming:
-            return
-        for bucket in self.buckets:
-            buf = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-            self._incoming.append((buf, self.comm.p2p(False, buf, self.peer, self.group)))
+    def _peer(self, a: Action) -> tuple[Msg, int]:
+        msg, stage = message(a.kind, a.pipe, a.stage, a.microbatch)
+        return msg, self.comm.global_rank(self.job.schedule.placement[(a.pipe, stage)])
 
-    def start(self) -> None:
-        """Launch the sum of every bucket (non-blocking)."""
-        if self.peer is not None:
-            self.prepost()
-        for i, bucket in enumerate(self.buckets):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = _flatten_dense_tensors(grads)
-            if self.peer is None:
-                flat, work = self.comm.allreduce_async(flat, self.group)
-                self._pending.append((bucket, flat, [work], None))
+    def _buffers(self, msg: Msg, count: int) -> tuple[torch.Tensor, ...]:
+        """Receive buffers for ``count`` units of a message: a stage's output, or the gradient of its inputs."""
+        if msg.res is Res.ACT:
+            specs = self.job.stage_inputs(msg.stage + 1)
+        else:
+            specs = [s for s in self.job.stage_inputs(msg.stage) if s.requires_grad]
+        return tuple(torch.empty((s.shape[0] * count, *s.shape[1:]), dtype=s.dtype, device=self.device)
+                     for s in specs)
+
+    def exchange(self, k: int, st: StepState) -> None:
+        """Post batch ``k``'s sends (and its receives unless prefetched); wait for its receives."""
+        batch = self.segments[k]
+        ops: list[Op] = []
+        owners: list[tuple[Action, list[Any] | None]] = []
+        for a in batch:
+            if a.kind.is_send:
+                msg, rank = self._peer(a)
+                for t in st.outbox.pop(msg):
+                    ops.append(Op(True, t, rank, self.comm.pipe_groups[a.pipe]))
+                    owners.append((a, None))
+        recvs = self.prefetched.pop(k, None)
+        if recvs is None:
+            recvs = self._recv_ops(batch, ops, owners)
+        ahead = self.next_comm.get(k) if self.comm.prefetch_recvs else None
+        if ahead is not None:
+            self.prefetched[ahead] = self._recv_ops(self.segments[ahead], ops, owners)
+        for op, (a, slot), w in zip(ops, owners, self.comm.post(ops)):
+            if op.is_send:
+                self.send_works.append((w, a, st.step))
             else:
-                buf, recv = self._incoming[i]
-                self._pending.append((bucket, flat, [recv, self.comm.p2p(True, flat, self.peer, self.group)], buf))
-        self._incoming.clear()
+                slot.append(w)  # type: ignore[union-attr]
+        for a, msg, tensors, works in recvs:
+            for w in works:
+                self.comm.wait(w, self.describe(a, st.step))
+            st.inbox[msg] = tensors
 
-    def wait(self, what: str) -> None:
-        """Wait for the sums and write them back into the gradients."""
-        for bucket, flat, works, peer_flat in self._pending:
-            for work in works:
-                self.comm.wait(work, what)
-            if peer_flat is not None and not self.comm.single_byte:
-                flat.add_(peer_flat)
-            for p, g in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
-        self._pending.clear()
+    def _recv_ops(self, batch: Sequence[Action], ops: list[Op], owners: list[tuple[Action, list[Any] | None]]
+                  ) -> list[tuple[Action, Msg, tuple[torch.Tensor, ...], list[Any]]]:
+        """Append the receives of ``batch`` to ``ops``; return (action, key, buffers, works filled on post)."""
+        out = []
+        for a in batch:
+            if a.kind.is_send:
+                continue
+            msg, rank = self._peer(a)
+            tensors = self._buffers(msg, a.count)
+            works: list[Any] = []
+            for t in tensors:
+                ops.append(Op(False, t, rank, self.comm.pipe_groups[a.pipe]))
+                owners.append((a, works))
+            out.append((a, msg, tensors, works))
+        return out
+
+    def wait_sends(self) -> None:
+        """Wait for every send posted so far (before the optimizer step reuses the memory)."""
+        for w, a, step in self.send_works:
+            self.comm.wait(w, self.describe(a, step))
+        self.send_works.clear()

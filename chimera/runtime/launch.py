@@ -2,8 +2,11 @@
 
 Used by the runtime's own tests and by anyone who wants the runtime without a cluster::
 
-    result = run_local(TrainConfig(model="bert-tiny", stages=2, micro_batches=4, steps=3))
+    result = run_local(TrainConfig.from_flags(model="bert-tiny", stages=2, micro_batches=4, steps=3))
     result.metrics[-1]["loss"]
+
+The job travels to the workers pickled with cloudpickle, so a user's chain and data (lambdas, functions of the
+main script) need no import in the workers, and the workers never run the main script again.
 
 The Ray driver (``ray_launch.driver``) shares :func:`summarize_step` with this launcher.
 """
@@ -13,16 +16,20 @@ from __future__ import annotations
 import contextlib
 import io
 import queue
+import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
-from chimera.runtime.config import Plan, TrainConfig
+from chimera.config import TrainConfig
+from chimera.job import Job
 from chimera.runtime.worker import PipelineWorker, StepResult
 
 
@@ -30,7 +37,7 @@ class WorkerError(RuntimeError):
     """A worker failed; the message names it and carries its error."""
 
 
-def summarize_step(cfg: TrainConfig, plan: Plan, results: list[StepResult]) -> dict[str, Any]:
+def summarize_step(cfg: TrainConfig, results: list[StepResult]) -> dict[str, Any]:
     """One metrics record from all workers' results of one step."""
     by_stage: dict[int, set[str]] = {}
     for r in results:
@@ -42,7 +49,8 @@ def summarize_step(cfg: TrainConfig, plan: Plan, results: list[StepResult]) -> d
                           "identical (gradient sync or optimizer differs between replicas)")
     count = sum(r.loss_count for r in results)
     step_time = max(r.step_time_s for r in results)
-    samples = cfg.micro_batches * cfg.micro_batch_size * cfg.data_parallel
+    s = cfg.schedule
+    samples = s.micro_batches * s.micro_batch_size * s.data_parallel
     payloads: dict[int, int] = {}
     for r in results:
         for size, n in r.payloads.items():
@@ -54,7 +62,7 @@ def summarize_step(cfg: TrainConfig, plan: Plan, results: list[StepResult]) -> d
         "samples_per_s": samples / step_time if step_time > 0 else float("inf"),
         "grad_norm": max(r.grad_norm for r in results),
         "microbatch_losses": count,
-        "comm_payload": cfg.comm_payload,
+        "comm_payload": cfg.profiling.comm_payload,
         "training_result": cfg.is_training_result,
         "comm_bytes": sum(size * n for size, n in payloads.items()),
         "comm_messages": sum(payloads.values()),
@@ -71,13 +79,13 @@ class LocalResult:
     states: dict[int, Any] = field(default_factory=dict)
 
 
-def _worker_main(cfg: TrainConfig, plan: Plan, rank: int, world: int, init: str, out: Any,
-                 return_state: bool) -> None:
+def _worker_main(packed: bytes, rank: int, world: int, init: str, out: Any, return_state: bool) -> None:
     worker = None
     try:
-        worker = PipelineWorker(cfg, rank, world, init, plan)
+        job: Job = cloudpickle.loads(packed)
+        worker = PipelineWorker(job, rank, world, init)
         worker.setup()
-        for step in range(cfg.steps):
+        for step in range(job.cfg.training.steps):
             out.put(("step", rank, worker.train_step(step)))
         if return_state:  # as bytes: tensors shared by fd die with this process before the parent reads them
             buf = io.BytesIO()
@@ -93,25 +101,46 @@ def _worker_main(cfg: TrainConfig, plan: Plan, rank: int, world: int, init: str,
 
 
 def _context() -> Any:
-    """A forkserver that has imported torch and chimera once: workers start in well under a second."""
+    """A forkserver that has imported torch, chimera and the transformer presets once (several seconds), so that
+    workers start in well under a second."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "chimera.runtime.worker"])
+    ctx.set_forkserver_preload(["torch", "chimera.runtime.worker", "chimera.models.bert", "chimera.models.gpt2"])
     return ctx
 
 
-def run_local(cfg: TrainConfig, *, return_state: bool = False, timeout_s: float | None = None) -> LocalResult:
-    """Run ``cfg`` with one process per worker (forked from a preloaded forkserver); raise :class:`WorkerError` if any fails."""
-    plan = cfg.check()
-    world = plan.world_size
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """While processes start: hide the main script from multiprocessing, which would otherwise run it again in
+    every worker (a script without an ``if __name__ == "__main__"`` guard would start training there too). The
+    job needs nothing from it: cloudpickle carried its functions by value."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def run_local(job: Job | TrainConfig, *, return_state: bool = False, timeout_s: float | None = None) -> LocalResult:
+    """Run a job with one process per worker (forked from a preloaded forkserver); raise :class:`WorkerError` if
+    any fails. A config is checked first."""
+    job = job if isinstance(job, Job) else job.check()
+    cfg, t = job.cfg, job.cfg.training
+    world = job.world_size
+    packed = cloudpickle.dumps(job)
     ctx = _context()
     out = ctx.Queue()
-    limit = timeout_s if timeout_s is not None else cfg.timeout_s * (cfg.steps + 2) + 120
+    limit = timeout_s if timeout_s is not None else t.timeout_s * (t.steps + 2) + 120
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
-        procs = [ctx.Process(target=_worker_main, args=(cfg, plan, r, world, init, out, return_state), daemon=True)
+        procs = [ctx.Process(target=_worker_main, args=(packed, r, world, init, out, return_state), daemon=True)
                  for r in range(world)]
-        for p in procs:
-            p.start()
+        with _main_not_rerun():
+            for p in procs:
+                p.start()
         steps: dict[int, list[StepResult]] = {}
         states: dict[int, Any] = {}
         done: set[int] = set()
@@ -142,6 +171,6 @@ def run_local(cfg: TrainConfig, *, return_state: bool = False, timeout_s: float 
                 if p.is_alive():
                     p.terminate()
                     p.join(timeout=5)
-    metrics = [summarize_step(cfg, plan, steps[s]) for s in sorted(steps)]
+    metrics = [summarize_step(cfg, steps[s]) for s in sorted(steps)]
     events = [e for s in sorted(steps) for r in steps[s] for e in r.events]
     return LocalResult(metrics, events, states)

@@ -2,48 +2,52 @@
 
 Parity tests compare the pipeline runtime against it; it is also a handy baseline::
 
-    losses, params = train_sequential(cfg)
+    ref = train_sequential(cfg)      # ref.losses, ref.params, ref.grad_norms
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from chimera.data import build_dataset
+from chimera.config import TrainConfig
+from chimera.job import Job
 from chimera.models import SequentialModel
 from chimera.optim import build_optimizer, clip_grad_norm_global, warmup_decay_schedule
-from chimera.runtime.config import TrainConfig
 
 
-def train_sequential(cfg: TrainConfig) -> tuple[list[float], dict[tuple[int, str], torch.Tensor]]:
-    """Train ``cfg.steps`` steps on all N x W micro-batches of each step with gradient accumulation.
+class Reference(NamedTuple):
+    """Per-step mean unit loss, final parameters keyed by (layer index, name) (tied parameters listed under every
+    layer that holds them), and the per-step global gradient norm (when clipping, as the runtime reports it)."""
 
-    Returns the per-step mean micro-batch loss and the final parameters keyed by (layer index, name),
-    tied parameters listed under every layer that holds them.
-    """
-    plan = cfg.check()
-    sched = plan.schedule
-    model = SequentialModel(plan.model, cfg.seed)
+    losses: list[float]
+    params: dict[tuple[int, str], torch.Tensor]
+    grad_norms: list[float]
+
+
+def train_sequential(job: Job | TrainConfig) -> Reference:
+    """Train the job's steps on all N x W units of each step with gradient accumulation, in one process."""
+    job = job if isinstance(job, Job) else job.check()
+    t, sched = job.cfg.training, job.schedule
+    model = SequentialModel(job.chain, t.seed)
     params = list(model.parameters())
-    opt = build_optimizer(params, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    lr = warmup_decay_schedule(opt, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps), cfg.lr_schedule)
-    mbs = int(cfg.micro_batch_size * sched.microbatch_scale)
-    data = build_dataset(plan.model, mbs, plan.model.seq_len, cfg.seed, corpus=cfg.corpus,
-                         microbatches=sched.microbatches, data_parallel=sched.data_parallel)
-    units = sched.microbatches
-    scale = 1.0 / (units * sched.data_parallel)
-    losses = []
-    for step in range(cfg.steps):
+    opt = build_optimizer(params, t.optimizer, lr=t.lr, weight_decay=t.weight_decay)
+    lr = warmup_decay_schedule(opt, t.warmup_steps, max(t.steps, t.warmup_steps), t.lr_schedule)
+    data = job.units()
+    units, width = sched.microbatches, sched.data_parallel
+    scale = 1.0 / (units * width)
+    losses, norms = [], []
+    for step in range(t.steps):
         total = 0.0
-        for g in range(sched.data_parallel):
+        for g in range(width):
             for i in range(units):
                 inputs, labels = data.get(step, i, g)
                 loss = model(inputs, labels)
                 (loss * scale).backward()
                 total += float(loss.detach())
-        losses.append(total / (units * sched.data_parallel))
-        if cfg.clip_grad > 0:
-            clip_grad_norm_global(params, cfg.clip_grad)
+        losses.append(total / (units * width))
+        norms.append(clip_grad_norm_global(params, t.clip_grad) if t.clip_grad > 0 else 0.0)
         opt.step()
         lr.step()
         opt.zero_grad(set_to_none=True)
@@ -52,7 +56,7 @@ def train_sequential(cfg: TrainConfig) -> tuple[list[float], dict[tuple[int, str
     for k, layer in enumerate(stage.layers):
         for name, p in layer.named_parameters(remove_duplicate=False):
             out[(stage.indices[k], name)] = p.detach().clone()
-    return losses, out
+    return Reference(losses, out, norms)
 
 
 def stage_params_by_layer(stage_state: dict[str, torch.Tensor], indices: list[int]) -> dict[tuple[int, str], torch.Tensor]:

@@ -1,0 +1,244 @@
+"""The one training configuration, in sections, validated once into the :class:`Job` every worker runs.
+
+Usage::
+
+    from chimera.config import TrainConfig, ModelConfig, ScheduleConfig
+
+    cfg = TrainConfig(model=ModelConfig("bert-tiny", seq_len=32), schedule=ScheduleConfig("chimera", stages=2))
+    cfg = TrainConfig.from_flags(model="bert-tiny", stages=2, micro_batches=4)   # the command line's names
+    job = cfg.check()    # raises ConfigError with what to change, before any worker starts
+
+Sections: ``model`` (what to train), ``schedule`` (how to pipeline it), ``training`` (optimisation and the
+runtime), ``profiling`` (timelines). Options of the Ray launcher live with it (``ray_launch.config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from chimera.data import CorpusError, load_info, resolve_corpus
+from chimera.data.pretrain import check_fit
+from chimera.job import Job
+from chimera.models import ChainError, LayerChain, build_model, partition
+from chimera.optim import OPTIMIZERS
+from chimera.optim import SCHEDULES as LR_SCHEDULES
+from chimera.schedule import CHIMERA_MODES, ScheduleConfigError, build_schedule, lower, validate
+
+PAYLOADS = ("full", "single-byte")
+
+
+class ConfigError(ValueError):
+    """An invalid training configuration; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to train: a preset (``name``) or a user's chain, its data and its split into stages."""
+
+    name: str = "bert-mini"
+    seq_len: int | None = 64
+    corpus: str = "sample"  # "sample" (shipped Wikipedia extract), "synthetic" (random tokens) or a corpus path
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    partition: str = "uniform"
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """How to pipeline: schedule, depth D, micro-batches N of B samples, data-parallel width W."""
+
+    name: str = "chimera"
+    stages: int = 4
+    micro_batches: int = 4
+    micro_batch_size: int = 4
+    data_parallel: int = 1
+    chunks: int = 2
+    mode: str = "direct"
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Optimisation and runtime behaviour."""
+
+    steps: int = 10
+    seed: int = 1234
+    device: str = "cpu"
+    optimizer: str = "lamb"
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    clip_grad: float = 1.0
+    recompute: bool = False
+    amp: bool = True
+    timeout_s: float = 120.0
+    threads: int | None = None
+    check_replicas: bool = False
+    debug_stall: tuple[int, float] | None = None  # (worker rank, seconds): fault injection for timeout tests
+
+
+@dataclass(frozen=True)
+class ProfilingConfig:
+    """Timelines: per-action events, Nsight, single-byte payloads."""
+
+    profile: bool = False
+    profile_steps: tuple[int, ...] = ()
+    nsys: bool = False
+    comm_payload: str = "full"
+
+
+_SECTIONS = {"model": ModelConfig, "schedule": ScheduleConfig, "training": TrainingConfig,
+             "profiling": ProfilingConfig}
+#: flat names (the command line's ``dest``) -> (section, field); the other fields keep their own names
+_RENAMED = {"model": ("model", "name"), "model_overrides": ("model", "overrides"), "schedule": ("schedule", "name")}
+FLAT: dict[str, tuple[str, str]] = {
+    **{f.name: (sec, f.name) for sec, cls in _SECTIONS.items() for f in dataclasses.fields(cls)
+       if f.name != "name" and f.name != "overrides"},
+    **_RENAMED,
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs, in sections; identical on the driver and every worker."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+
+    @staticmethod
+    def from_flags(**flat: Any) -> TrainConfig:
+        """A config from the command line's names (``model``, ``stages``, ``lr``, ``profile``...)."""
+        return TrainConfig().with_flags(**flat)
+
+    def with_flags(self, **flat: Any) -> TrainConfig:
+        """A copy with fields set by their command-line names."""
+        by_section: dict[str, dict[str, Any]] = {}
+        for name, value in flat.items():
+            if name not in FLAT:
+                raise TypeError(f"unknown training option {name!r}; known: {', '.join(sorted(FLAT))}")
+            sec, fld = FLAT[name]
+            by_section.setdefault(sec, {})[fld] = value
+        return dataclasses.replace(self, **{sec: dataclasses.replace(getattr(self, sec), **kw)
+                                            for sec, kw in by_section.items()})
+
+    def profiles(self, step: int) -> bool:
+        """Whether ``step`` records timeline events (``--profile``; all steps unless ``--profile-steps``)."""
+        p = self.profiling
+        return p.profile and (not p.profile_steps or step in p.profile_steps)
+
+    @property
+    def is_training_result(self) -> bool:
+        """False in single-byte mode: messages and allreduces carry one byte, the numbers are not training."""
+        return self.profiling.comm_payload == "full"
+
+    @property
+    def run_name(self) -> str:
+        """``{model}_{schedule}_{D}stages_{workers}gpus_microbs{B}_acc{K}`` as in the seed's profiles."""
+        s = self.schedule
+        acc = max(1, s.micro_batches // s.stages)
+        return (f"{self.model.name}_{s.name}_{s.stages}stages_{s.stages * s.data_parallel}gpus_"
+                f"microbs{s.micro_batch_size}_acc{acc}")
+
+    def check(self, chain: LayerChain | None = None, data: Any = None) -> Job:
+        """Validate every field once; return the :class:`Job` the workers run. Raises :class:`ConfigError`.
+
+        ``chain``/``data``: a user's model and data instead of the preset named by ``model.name``.
+        """
+        _check_fields(self)
+        s = self.schedule
+        try:
+            sched = build_schedule(s.name, s.stages, s.micro_batches, chunks=s.chunks, mode=s.mode,
+                                   data_parallel=s.data_parallel)
+        except ScheduleConfigError as e:
+            raise ConfigError(str(e)) from None
+        if chain is None:
+            chain = _preset_chain(self.model)
+        elif data is None and chain.data is None:
+            raise ConfigError(f"{chain.name} has no dataset of its own: pass data (a function (step, micro-batch, "
+                              "data-parallel rank) -> (inputs, labels), or a dataset with such a get())")
+        try:
+            stage_layers = partition(chain, sched.stages, _partition_method(self.model.partition))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        unit = int(s.micro_batch_size * sched.microbatch_scale)
+        try:
+            boundaries = chain.boundaries(unit)
+        except ChainError as e:
+            raise ConfigError(str(e)) from None
+        return Job(self, chain, data, validate(lower(sched)), stage_layers, boundaries)
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_fields(cfg: TrainConfig) -> None:
+    """Every field that can be checked on its own; messages name the flag and what to change."""
+    s, t, p = cfg.schedule, cfg.training, cfg.profiling
+    _need(s.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {s.micro_batch_size}")
+    _need(s.mode in CHIMERA_MODES, f"--mode must be one of {', '.join(CHIMERA_MODES)}, got {s.mode!r}")
+    _need(s.mode != "halving" or s.micro_batch_size % 2 == 0,
+          f"--mode halving trains on halves of every micro-batch: --micro-batch-size must be even, got "
+          f"{s.micro_batch_size}")
+    _need(t.steps >= 1, f"--steps must be >= 1, got {t.steps}")
+    _need(t.device in ("cpu", "cuda"), f"--device must be 'cpu' or 'cuda', got {t.device!r}")
+    _need(t.optimizer in OPTIMIZERS, f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}")
+    _need(t.lr > 0, f"--lr must be > 0, got {t.lr}")
+    _need(t.weight_decay >= 0, f"--weight-decay must be >= 0, got {t.weight_decay}")
+    _need(t.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {t.warmup_steps}")
+    _need(t.lr_schedule in LR_SCHEDULES,
+          f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {t.lr_schedule!r}")
+    _need(t.timeout_s > 0, f"--timeout must be > 0 seconds, got {t.timeout_s}")
+    _need(t.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {t.clip_grad}")
+    _need(t.threads is None or t.threads >= 1, f"--threads must be >= 1, got {t.threads}")
+    _need(p.comm_payload in PAYLOADS, f"--comm-payload must be one of {', '.join(PAYLOADS)}, got {p.comm_payload!r}")
+    bad = [x for x in p.profile_steps if not 0 <= x < t.steps]
+    _need(not bad, f"--profile-steps {bad} are outside 0..{t.steps - 1}; raise --steps or pick other steps")
+
+
+def _preset_chain(m: ModelConfig) -> LayerChain:
+    """The preset's chain; with a tokenized corpus its vocabulary is the tokenizer's (so every process builds the
+    same model) and the corpus must be able to feed ``seq_len``."""
+    model = _build(m, dict(m.overrides))
+    path = resolve_corpus(m.corpus)
+    if path is None or model.family not in ("bert", "gpt2"):
+        return model
+    try:
+        info = load_info(path, model.family)
+        note = check_fit(info, model.seq_len)  # type: ignore[attr-defined]
+    except CorpusError as e:
+        raise ConfigError(f"--corpus: {e}") from None
+    if note:
+        warnings.warn(note, stacklevel=1)  # one location: shown once per process
+    vocab = m.overrides.get("vocab_size", info.vocab_size)
+    if vocab != info.vocab_size:
+        raise ConfigError(f"model override vocab_size={vocab} contradicts the {info.family} tokenizer of "
+                          f"--corpus {m.corpus} ({info.vocab_size} tokens); drop the override")
+    return _build(m, {**m.overrides, "vocab_size": vocab})
+
+
+def _build(m: ModelConfig, overrides: dict[str, Any]) -> LayerChain:
+    try:
+        return build_model(m.name, seq_len=m.seq_len, corpus=m.corpus, **overrides)
+    except ValueError as e:
+        raise ConfigError(f"--model: {e}") from None
+
+
+def _partition_method(text: str) -> str | list[int]:
+    if text in ("uniform", "params"):
+        return text
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--partition must be 'uniform', 'params' or layer counts like '2,2,1,1', got {text!r}"
+                          ) from None
+
+
+__all__ = ["CHIMERA_MODES", "ConfigError", "Job", "ModelConfig", "ProfilingConfig", "ScheduleConfig", "TrainConfig",
+           "TrainingConfig"]

@@ -1,0 +1,144 @@
+"""The compute handlers: forward (F) and backward (B) of a stage replica, over one or several micro-batches.
+
+An F action over ``count`` micro-batches (Chimera's forward doubling, or a whole micro-batch under backward
+halving) receives them as one message, runs the stage on each micro-batch in turn, stashes each for its own
+backward and sends the outputs on as one message. Running the micro-batches one by one keeps every sample's
+arithmetic exactly that of sequential training, whatever the schedule. With ``recompute`` the forward keeps only
+its inputs and RNG state, and the backward runs the forward again under that state before differentiating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from chimera.data import Units
+from chimera.job import Job
+from chimera.microbatch import cat, map_tensors, split
+from chimera.models import StageModule, TensorSpec
+from chimera.runtime.step_state import Slot, Stashed, StepState
+from chimera.schedule import Action
+from chimera.schedule.kinds import Msg, Res
+
+
+class StageCompute:
+    """Forward and backward of the stage replicas ``modules`` of one worker."""
+
+    def __init__(self, job: Job, modules: dict[tuple[str, int], StageModule], worker: int, dp_rank: int,
+                 device: torch.device, autocast: AbstractContextManager[Any]) -> None:
+        self.job = job
+        self.schedule = job.schedule
+        self.modules = modules
+        self.worker = worker
+        self.dp_rank = dp_rank
+        self.device = device
+        self.autocast = autocast
+        self.recompute = job.cfg.training.recompute
+        self.units: Units = job.units()
+        # per-unit mean losses summed with 1/(units x W): gradients equal those of the whole mini-batch's mean
+        self.loss_scale = 1.0 / (self.schedule.microbatches * self.schedule.data_parallel)
+
+    # -- F ------------------------------------------------------------------------------------------
+    def forward(self, a: Action, st: StepState) -> None:
+        """Run the forward of ``a``'s micro-batches; stash each; hand the outputs to the next stage."""
+        mod = self.modules[(a.pipe, a.stage)]
+        xs = self._inputs(a, st, mod)
+        specs = self.job.stage_inputs(a.stage + 1) if not mod.is_last else []
+        outs = []
+        for x, mb in zip(xs, a.microbatches):
+            data = self._data(a.pipe, mb, st.step) if (mod.is_first or mod.is_last) else None
+            inputs, labels = data if data is not None else (None, None)
+            if self.recompute and not mod.is_last:
+                rng = _rng_state(self.device)
+                with torch.no_grad(), self.autocast:
+                    out = mod(x, inputs=inputs, labels=labels)
+                st.stash[Slot(a.pipe, a.stage, mb)] = Stashed(x, None, data, rng)
+            else:
+                with self.autocast:
+                    out = mod(x, inputs=inputs, labels=labels)
+                st.stash[Slot(a.pipe, a.stage, mb)] = Stashed(x, out, data)
+            if mod.is_last:
+                st.loss_sum += out.detach().to(torch.float64)
+                st.loss_count += 1
+            else:
+                outs.append(tuple(t.detach().to(s.dtype) for t, s in zip(out, specs)))
+        if outs:
+            self._hand_over(Msg(Res.ACT, a.pipe, a.stage, a.microbatch), cat(outs), a.pipe, a.stage + 1, st)
+
+    def _inputs(self, a: Action, st: StepState, mod: StageModule) -> list[tuple[torch.Tensor, ...]]:
+        """Per micro-batch of ``a``, the stage's input tensors (leaves, with grad where the spec asks)."""
+        if mod.is_first:
+            return [()] * a.count
+        got = st.inbox.pop(Msg(Res.ACT, a.pipe, a.stage - 1, a.microbatch))
+        parts = split(got, a.count) if a.count > 1 else [got]
+        specs = self.job.stage_inputs(a.stage)
+        return [tuple(t.detach().requires_grad_(s.requires_grad) for t, s in zip(p, specs)) for p in parts]
+
+    def _data(self, pipe: str, mb: int, step: int) -> tuple[Any, Any]:
+        unit = self.schedule.global_microbatch(pipe, mb)
+        inputs, labels = self.units.get(step, unit, self.dp_rank)
+        move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        return map_tensors(move, inputs), map_tensors(move, labels)
+
+    # -- B ------------------------------------------------------------------------------------------
+    def backward(self, a: Action, st: StepState) -> None:
+        """Differentiate ``a``'s micro-batches; hand the input gradients to the previous stage."""
+        mod = self.modules[(a.pipe, a.stage)]
+        grads = self._output_grads(a, st, mod)
+        in_specs = self.job.stage_inputs(a.stage)
+        out_specs = self.job.stage_inputs(a.stage + 1) if not mod.is_last else []
+        sent = []
+        for g, mb in zip(grads, a.microbatches):
+            saved = st.stash.pop(Slot(a.pipe, a.stage, mb))
+            out = saved.output if saved.output is not None else self._recompute(mod, saved)
+            if mod.is_last:
+                (out * self.loss_scale).backward()
+            else:
+                pairs = [(t, gt) for t, gt in zip(out, _fill(g, out_specs)) if gt is not None and t.requires_grad]
+                torch.autograd.backward([t for t, _ in pairs], [gt.to(t.dtype) for t, gt in pairs])
+            if not mod.is_first:
+                sent.append(tuple(t.grad if t.grad is not None else torch.zeros_like(t)
+                                  for t, s in zip(saved.inputs, in_specs) if s.requires_grad))
+        if sent:
+            self._hand_over(Msg(Res.GRAD, a.pipe, a.stage, a.microbatch), cat(sent), a.pipe, a.stage - 1, st)
+
+    def _output_grads(self, a: Action, st: StepState, mod: StageModule) -> list[tuple[torch.Tensor, ...]]:
+        if mod.is_last:
+            return [()] * a.count
+        got = st.inbox.pop(Msg(Res.GRAD, a.pipe, a.stage + 1, a.microbatch))
+        return split(got, a.count) if a.count > 1 else [got]
+
+    def _recompute(self, mod: StageModule, saved: Stashed) -> Any:
+        """The forward again, with grad, under the RNG state it first ran under."""
+        inputs, labels = saved.data if saved.data is not None else (None, None)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            _set_rng_state(saved.rng, self.device)
+            with self.autocast:
+                return mod(saved.inputs or None, inputs=inputs, labels=labels)
+
+    def _hand_over(self, msg: Msg, tensors: tuple[torch.Tensor, ...], pipe: str, to_stage: int, st: StepState
+                   ) -> None:
+        """Into the inbox when ``to_stage`` lives on this worker, else into the outbox for its send action."""
+        if self.schedule.placement[(pipe, to_stage)] == self.worker:
+            st.inbox[msg] = tensors
+        else:
+            st.outbox[msg] = tuple(t.contiguous() for t in tensors)
+
+
+def _fill(grads: tuple[torch.Tensor, ...], specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
+    """The received gradients placed at the outputs that carry one (those whose spec requires grad)."""
+    it = iter(grads)
+    return [next(it) if s.requires_grad else None for s in specs]
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

@@ -1,0 +1,127 @@
+"""A worker's stage replicas and everything that lives as long as they do: modules, tied parameters, gradient
+buckets, optimizer and learning-rate schedule.
+
+Tied parameters (a chain's ``tied`` pairs, e.g. the embedding on the first stage and the decoder on the last) are
+left out of the stage buckets and summed over every rank that holds either end before clipping. The global
+gradient norm counts each stage once: the first pipe's replica in data-parallel group 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import torch
+
+from chimera.job import Job
+from chimera.models import StageModule, build_stage
+from chimera.optim import build_optimizer, clip_grad_norm_global, warmup_decay_schedule
+from chimera.runtime.comm import Communicator
+from chimera.runtime.grad_sync import GradBuckets
+
+StageKey = tuple[str, int]
+
+
+def tied_ranks(job: Job) -> list[int]:
+    """Global ranks that hold an end of a tied pair on different stages (empty when nothing is tied apart)."""
+    sched = job.schedule
+    stage_of = {i: s for s, layers in enumerate(job.stage_layers) for i in layers}
+    stages = {stage_of[i] for pair in job.chain.tied_parameters() for i, _ in pair
+              if stage_of[pair[0][0]] != stage_of[pair[1][0]]}
+    return sorted({r for s in stages for r in sched.stage_group(s)})
+
+
+class StageState:
+    """The stage replicas of one worker and their optimizer (module docstring)."""
+
+    def __init__(self, job: Job, worker: int, dp_rank: int, device: torch.device, comm: Communicator) -> None:
+        cfg, sched = job.cfg.training, job.schedule
+        self.comm = comm
+        self.modules: dict[StageKey, StageModule] = {
+            (pipe, s): build_stage(job.chain, job.stage_layers[s], cfg.seed, device=device)
+            for pipe, s in sched.stages_of(worker)}
+        self.tied: list[torch.nn.Parameter] = []
+        if comm.tied_group is not None:
+            for pair in job.chain.tied_parameters():
+                for mod in self.modules.values():
+                    for layer_idx, name in pair:
+                        if layer_idx in mod.indices:
+                            self.tied.append(mod.layers[mod.indices.index(layer_idx)].get_parameter(name))
+        tied_ids = {id(p) for p in self.tied}
+        self.buckets: dict[StageKey, GradBuckets] = {}
+        for (pipe, s), mod in self.modules.items():
+            if s in comm.stage_groups:
+                params = [p for p in _unique(mod.parameters()) if id(p) not in tied_ids]
+                self.buckets[(pipe, s)] = GradBuckets(params, comm.stage_groups[s], comm, sched.stage_group(s))
+        self.params = _unique(p for mod in self.modules.values() for p in mod.parameters())
+        self.norm_params = self._norm_params(job, dp_rank)
+        self.clip = cfg.clip_grad
+        self.optimizer = build_optimizer(self.params, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.lr_schedule = warmup_decay_schedule(self.optimizer, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps),
+                                                 cfg.lr_schedule)
+
+    def _norm_params(self, job: Job, dp_rank: int) -> list[torch.nn.Parameter]:
+        """The parameters whose squared norm this rank adds to the global norm: one replica of every stage, and a
+        tied parameter once, where its first end lives."""
+        if dp_rank != 0:
+            return []
+        ends: list[set[int]] = [set(), set()]
+        for pair in job.chain.tied_parameters():
+            for end, (layer_idx, name) in zip(ends, pair):
+                for mod in self.modules.values():
+                    if layer_idx in mod.indices:
+                        end.add(id(mod.layers[mod.indices.index(layer_idx)].get_parameter(name)))
+        second_only = ends[1] - ends[0]
+        first_pipe = job.schedule.pipes[0]  # the other pipe's replica of a stage is counted where it is the first's
+        return [p for (pipe, _), mod in self.modules.items() if pipe == first_pipe
+                for p in _unique(mod.parameters()) if id(p) not in second_only]
+
+    def start_step(self) -> None:
+        """Post what the gradient sums can post before the step's compute (exchange receives on gloo)."""
+        for buckets in self.buckets.values():
+            buckets.prepost()
+
+    def optimizer_step(self, step: int) -> float:
+        """Sum tied gradients, clip by the global norm, update, advance the LR schedule; return the norm."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.tied:
+            total = torch.stack([p.grad for p in self.tied]).sum(0)
+            total = self.comm.allreduce(total, self.comm.tied_group, f"tied-weight gradient sum in step {step}")
+            for p in self.tied:
+                p.grad.copy_(total)
+        norm = 0.0
+        if self.clip > 0:
+            def allreduce(sq: torch.Tensor) -> torch.Tensor:
+                return self.comm.allreduce(sq, None, f"global gradient norm in step {step}")
+
+            norm = clip_grad_norm_global(self.params, self.clip, allreduce, self.norm_params)
+        self.optimizer.step()
+        self.lr_schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def state(self) -> dict[StageKey, dict[str, torch.Tensor]]:
+        """CPU copies of every stage replica's parameters, keyed by (pipe, stage)."""
+        return {k: {n: p.detach().cpu().clone() for n, p in mod.named_parameters()} for k, mod in self.modules.items()}
+
+    def digests(self) -> dict[StageKey, str]:
+        """SHA-256 of every stage replica's parameters: equal digests mean bitwise-equal replicas."""
+        out = {}
+        for key, mod in self.modules.items():
+            h = hashlib.sha256()
+            for p in mod.parameters():
+                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            out[key] = h.hexdigest()
+        return out
+
+
+def _unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
