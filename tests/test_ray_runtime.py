@@ -91,3 +91,25 @@ def test_default_script_runs_and_bad_flags_exit_2(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "even number of --stages" in p.stderr and "Traceback" not in p.stderr
     assert "Started a local Ray" not in p.stderr  # refused before Ray started
+
+
+def test_user_chain_on_ray_trains_like_local(ray_session):
+    """The public API on Ray (ray_launch.train) and locally (chimera.train) train the same chain identically."""
+    import torch
+    from torch import nn
+
+    import chimera
+    import ray_launch
+
+    def data(step, mb, rank):
+        g = torch.Generator().manual_seed(step * 100 + mb * 10 + rank)
+        x = torch.randn(4, 6, generator=g)
+        return x, x.sum(1, keepdim=True)
+
+    chain = chimera.LayerChain([lambda: nn.Linear(6, 16), nn.Tanh, lambda: nn.Linear(16, 1)], nn.functional.mse_loss,
+                               data(0, 0, 0), name="mlp")
+    flags = {"schedule": "chimera", "stages": 2, "micro_batches": 4, "steps": 3, "optimizer": "sgd", "lr": 0.05}
+    on_ray = [r["loss"] for r in ray_launch.train(chain, data, **flags)]
+    local = [r["loss"] for r in chimera.train(chain, data, **flags)]
+    assert on_ray == local and len(on_ray) == 3
+    assert _wait_no_actors(ray_session) == []

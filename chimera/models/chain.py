@@ -196,7 +196,7 @@ class LayerChain:
             except Exception as e:
                 raise ChainError(f"layer {i} of {self.name} ({type(layer).__name__}) fails on the example micro-batch "
                                  f"({'its inputs' if i == 0 else 'the output of layer ' + str(i - 1)}: "
-                                 f"{_describe(inputs if i == 0 else out[i])}): {type(e).__name__}: {e}") from None
+                                 f"{_describe(x)}): {type(e).__name__}: {e}") from None
             if i == self.num_layers - 1:
                 break
             try:
