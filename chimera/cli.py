@@ -240,7 +240,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(f"chimera train needs the ray_launch package: {e}") from None
     keep_local_ray_on_loopback(args.args)
     try:
-        from ray_launch.driver import main as train_main
+        from ray_launch.cli import main as train_main
     except ImportError as e:
         raise UsageError(f"chimera train runs on Ray, which does not import here ({e}); install it with "
                          "pip install -r requirements.txt -c constraints.txt") from None

@@ -10,13 +10,11 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
 import os
 import shutil
-import signal
 import socket
 import sys
 import threading
@@ -35,14 +33,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm import tqdm
 
 from chimera.config import ConfigError, TrainConfig
-from chimera.flags import add_train_args, config_from_args
 from chimera.job import Job
 from chimera.runtime import summarize_step
 from chimera.runtime.launch import WorkerError
 from chimera.timeline import Event
 from chimera.timeline.report import write_profile
 from ray_launch.actor import WorkerActor
-from ray_launch.config import LaunchConfig, add_launch_args, launch_from_args
+from ray_launch.config import LaunchConfig
 from ray_launch.placement import PlacementError, assign, cluster_nodes, format_map, run_pre_commands
 
 
@@ -378,48 +375,3 @@ def run(job: Job | TrainConfig, launch: LaunchConfig | None = None, *, out: str 
         if out_file:
             out_file.close()
     return records
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Train a model with a Chimera / 1F1B / GPipe pipeline on Ray.")
-    add_train_args(p)
-    add_launch_args(p)
-    p.add_argument("--out", default=None, help="JSONL metrics file (default: profiles/<run name>.metrics.jsonl)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-def run_from_args(ns: argparse.Namespace) -> int:
-    """Run from parsed flags; configuration errors: one line, exit code 2."""
-    try:
-        job = config_from_args(ns).check()
-        launch = launch_from_args(ns).check()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    cfg = job.cfg
-    out = ns.out or f"profiles/{cfg.run_name}.metrics.jsonl"
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        records = run(job, launch, out=out, progress=not ns.no_progress)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RunError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: all actors stopped", file=sys.stderr)
-        return 130
-    last = records[-1]
-    note = "" if cfg.is_training_result else " [single-byte payload: NOT a training result]"
-    print(f"{cfg.run_name}: {len(records)} steps, final loss {last['loss']:.4f}, "
-          f"{last['samples_per_s']:.1f} samples/s; metrics in {out}{note}")
-    return 0
-
-
-def main(argv: Sequence[str] | None = None, defaults: dict[str, Any] | None = None) -> int:
-    parser = build_parser()
-    if defaults:
-        parser.set_defaults(**defaults)
-    return run_from_args(parser.parse_args(argv))

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ray_launch import keep_local_ray_on_loopback  # noqa: E402
 
 keep_local_ray_on_loopback(sys.argv[1:])
-from ray_launch.driver import main  # noqa: E402
+from ray_launch.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

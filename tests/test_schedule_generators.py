@@ -1,4 +1,4 @@
-"""Generators against DESIGN.md's definitions and formulas, and against torch.distributed.pipelining."""
+"""Generators against the definitions and formulas of docs/ARCHITECTURE.md, and against torch.distributed.pipelining."""
 
 from fractions import Fraction
 

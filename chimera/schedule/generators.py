@@ -30,9 +30,9 @@ def _check_common(stages: int, microbatches: int) -> None:
         raise ScheduleConfigError(f"--micro-batches must be >= 1, got {microbatches}")
 
 
-def _single(name: str, stages: int, n: int, rows: list[list[Action]], **options: object) -> Schedule:
+def _single(name: str, stages: int, n: int, rows: list[list[Action]]) -> Schedule:
     placement = {(DOWN, s): s for s in range(stages)}
-    return Schedule(stages=stages, microbatches=n, placement=placement, actions=rows, name=name, options=options)
+    return Schedule(stages=stages, microbatches=n, placement=placement, actions=rows, name=name)
 
 
 def gpipe(stages: int, microbatches: int, reverse_backward: bool = False) -> Schedule:
@@ -42,7 +42,7 @@ def gpipe(stages: int, microbatches: int, reverse_backward: bool = False) -> Sch
     rows = [
         [F(DOWN, s, m) for m in range(microbatches)] + [B(DOWN, s, m) for m in order] for s in range(stages)
     ]
-    return _single("gpipe", stages, microbatches, rows, reverse_backward=reverse_backward)
+    return _single("gpipe", stages, microbatches, rows)
 
 
 def one_f_one_b(stages: int, microbatches: int) -> Schedule:
@@ -98,12 +98,12 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int = 2) -> Schedul
         rows.append(row)
     placement = {(DOWN, c * d + w): w for c in range(v) for w in range(d)}
     return Schedule(
-        stages=d * v, microbatches=n, placement=placement, actions=rows, name="interleaved", options={"chunks": v}
+        stages=d * v, microbatches=n, placement=placement, actions=rows, name="interleaved"
     )
 
 
 def _chimera_rows(d: int, units: int, group: int) -> list[list[Action]]:
-    """Chimera basic units (DESIGN.md P1..P5) concatenated directly.
+    """Chimera basic units (phases P1..P5 of :func:`chimera`) concatenated directly.
 
     ``group`` micro-batches share one forward slot (one F action with count=group) and the slot's
     backward work is ``group`` single-micro-batch B actions back to back. Between units k and k+1, the
@@ -157,7 +157,12 @@ def chimera(stages: int, microbatches: int, mode: str = "direct") -> Schedule:
 
     Worker w holds stage w of the down pipe and stage D-1-w of the up pipe; N/2 micro-batches go each way.
 
-    Modes for N = K*D (DESIGN.md, paper section 3.5):
+    Basic unit (N = D, D even): for worker w let p be the pipe in which w sits in the first half (down if
+    w < D/2, with j = w; else up, with j = D-1-w) and q the other pipe; with a = D/2 - j and b = j its order is
+    P1: a x F(p), P2: b x [F(q), F(p)], P3: a x [F(q), B(q)], P4: b x [B(p), B(q)], P5: a x B(p), micro-batches
+    of one pipe in order. D = 4, worker 0: ``F(d,0) F(d,1) F(u,0) B(u,0) F(u,1) B(u,1) B(d,0) B(d,1)``.
+
+    Modes for N = K*D (the paper's section 3.5; docs/ARCHITECTURE.md):
       * ``direct``: K basic units concatenated, unit k+1's first phase interleaved with unit k's last.
       * ``doubling`` (forward doubling): K/2 units in which every forward slot runs two micro-batches in
         one action (count=2) and the slot's backward runs them one after the other; activation memory per
@@ -198,7 +203,6 @@ def chimera(stages: int, microbatches: int, mode: str = "direct") -> Schedule:
         actions=rows,
         microbatch_scale=scale,
         name="chimera",
-        options={"mode": mode},
     )
 
 

@@ -28,6 +28,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import cached_property
 
 from chimera.schedule.kinds import KIND_OF_CODE, SPECS, Address, Kind
 
@@ -136,7 +137,6 @@ class Schedule:
     microbatch_scale: Fraction = Fraction(1)
     lowered: bool = False
     name: str = field(default="custom", compare=False)
-    options: Mapping[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "placement", dict(sorted(self.placement.items())))
@@ -146,7 +146,7 @@ class Schedule:
     def workers(self) -> int:
         return len(self.actions)
 
-    @property
+    @cached_property
     def pipes(self) -> tuple[str, ...]:
         present = {p for p, _ in self.placement}
         return tuple(p for p in (DOWN, UP) if p in present)
@@ -162,9 +162,6 @@ class Schedule:
     def global_microbatch(self, pipe: str, microbatch: int) -> int:
         """Index of a pipe's micro-batch among all N of the iteration (down first, then up)."""
         return self.pipes.index(pipe) * self.pipe_microbatches(pipe) + microbatch
-
-    def worker_of(self, pipe: str, stage: int) -> int:
-        return self.placement[(pipe, stage)]
 
     def stages_of(self, worker: int) -> list[tuple[str, int]]:
         """The (pipe, stage) replicas that ``worker`` holds."""
@@ -236,7 +233,6 @@ def _replace(s: Schedule, **kw: object) -> Schedule:
         microbatch_scale=s.microbatch_scale,
         lowered=s.lowered,
         name=s.name,
-        options=s.options,
     )
     fields.update(kw)
     return Schedule(**fields)  # type: ignore[arg-type]

@@ -81,6 +81,10 @@ def _check_structure(s: Schedule) -> None:
                     key = (a.kind, a.pipe, a.stage, m)
                     counts[key] += 1
                     first.setdefault(key, (w, i))
+    made = {res: kind for kind in once for res in SPECS[kind].produces}
+    # (consumer, maker): a kind that consumes what another kind makes on its own stage comes after it
+    ordered = [(kind, made[use.res]) for kind in once for use in SPECS[kind].consumes
+               if use.offset == 0 and use.res in made]
     for (p, st), w in s.placement.items():
         for m in range(s.pipe_microbatches(p)):
             for kind in once:
@@ -89,14 +93,10 @@ def _check_structure(s: Schedule) -> None:
                     marks = {first[key][0]: first[key][1]} if key in first else {}
                     _fail(s, f"{Action(kind, p, st, m)} ({kind.value} of micro-batch {m}) appears {counts[key]} times, "
                           f"expected once on worker {w}", marks)
-            made = {res: kind for kind in once for res in SPECS[kind].produces}
-            for kind in once:  # what a kind consumes from its own stage is made before it
+            for kind, maker in ordered:
                 at = first[(kind, p, st, m)][1]
-                for use in SPECS[kind].consumes:
-                    maker = made.get(use.res) if use.offset == 0 else None
-                    if maker is not None and first[(maker, p, st, m)][1] > at:
-                        _fail(s, f"{Action(kind, p, st, m)} comes before its {SPECS[maker].name} on worker {w}",
-                              {w: at})
+                if first[(maker, p, st, m)][1] > at:
+                    _fail(s, f"{Action(kind, p, st, m)} comes before its {SPECS[maker].name} on worker {w}", {w: at})
     extra = [k for k in counts if k[3] >= s.pipe_microbatches(k[1])]
     if extra:
         k = extra[0]

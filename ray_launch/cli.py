@@ -1,0 +1,62 @@
+"""The command line of a Ray run: training flags (``chimera.flags``) plus the launcher's (``ray_launch.config``).
+
+``scripts/prof_steps_ray.py``, ``scripts/prof_steps_ray_multinode.py`` and ``chimera train`` call :func:`main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from chimera.config import ConfigError
+from chimera.flags import add_train_args, config_from_args
+from ray_launch.config import add_launch_args, launch_from_args
+from ray_launch.driver import RunError, run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Train a model with a Chimera / 1F1B / GPipe pipeline on Ray.")
+    add_train_args(p)
+    add_launch_args(p)
+    p.add_argument("--out", default=None, help="JSONL metrics file (default: profiles/<run name>.metrics.jsonl)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    """Run from parsed flags; configuration errors: one line, exit code 2."""
+    try:
+        job = config_from_args(ns).check()
+        launch = launch_from_args(ns).check()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = job.cfg
+    out = ns.out or f"profiles/{cfg.run_name}.metrics.jsonl"
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        records = run(job, launch, out=out, progress=not ns.no_progress)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: all actors stopped", file=sys.stderr)
+        return 130
+    last = records[-1]
+    note = "" if cfg.is_training_result else " [single-byte payload: NOT a training result]"
+    print(f"{cfg.run_name}: {len(records)} steps, final loss {last['loss']:.4f}, "
+          f"{last['samples_per_s']:.1f} samples/s; metrics in {out}{note}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, defaults: dict[str, Any] | None = None) -> int:
+    parser = build_parser()
+    if defaults:
+        parser.set_defaults(**defaults)
+    return run_from_args(parser.parse_args(argv))
