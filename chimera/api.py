@@ -28,9 +28,9 @@ def chain_job(chain: LayerChain, data: Any, **flags: Any) -> Job:
     Raises :class:`ConfigError` before anything starts."""
     if not isinstance(chain, LayerChain):
         raise ConfigError(f"chimera.train needs a chimera.LayerChain, got {type(chain).__name__}")
-    for name in ("model", "micro_batch_size", "corpus"):
+    for name in ("model", "micro_batch_size", "corpus", "seq_len", "model_overrides"):
         if name in flags:
-            raise ConfigError(f"{name}= is not an option here: it comes from the chain and the data")
+            raise ConfigError(f"{name}= is not an option of chimera.train: the chain and the data define it")
     if data is None and chain.data is None:
         raise ConfigError(f"{chain.name} has no dataset of its own: pass data (a function (step, micro-batch, "
                           "data-parallel rank) -> (inputs, labels), or a dataset with such a get())")

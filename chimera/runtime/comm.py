@@ -116,6 +116,10 @@ class Communicator:
         for i, op in enumerate(ops):
             by_group.setdefault(id(op.group), []).append(i)
         for idx in by_group.values():
+            if len(idx) == 1:  # one op: no batch to coalesce
+                op = ops[idx[0]]
+                works[idx[0]] = (dist.isend if op.is_send else dist.irecv)(op.tensor, op.peer, group=op.group)
+                continue
             p2p = [dist.P2POp(dist.isend if ops[i].is_send else dist.irecv, ops[i].tensor, ops[i].peer, ops[i].group)
                    for i in idx]
             for i, w in zip(idx, dist.batch_isend_irecv(p2p)):
