@@ -31,9 +31,6 @@ def chain_job(chain: LayerChain, data: Any, **flags: Any) -> Job:
     for name in ("model", "micro_batch_size", "corpus", "seq_len", "model_overrides"):
         if name in flags:
             raise ConfigError(f"{name}= is not an option of chimera.train: the chain and the data define it")
-    if data is None and chain.data is None:
-        raise ConfigError(f"{chain.name} has no dataset of its own: pass data (a function (step, micro-batch, "
-                          "data-parallel rank) -> (inputs, labels), or a dataset with such a get())")
     try:
         samples = rows(as_dataset(data).get(0, 0, 0)) if data is not None else None
     except (TypeError, ValueError) as e:

@@ -138,7 +138,7 @@ class TrainConfig:
 
     @property
     def run_name(self) -> str:
-        """``{model}_{schedule}_{D}stages_{workers}gpus_microbs{B}_acc{K}`` as in the seed's profiles."""
+        """``{model}_{schedule}_{D}stages_{workers}gpus_microbs{B}_acc{K}``: the name of the run's profile files."""
         s = self.schedule
         acc = max(1, s.micro_batches // s.stages)
         return (f"{self.model.name}_{s.name}_{s.stages}stages_{s.stages * s.data_parallel}gpus_"

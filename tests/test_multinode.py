@@ -51,13 +51,13 @@ def test_placement_policies_put_workers_on_expected_nodes(ray_cluster, policy, e
         assert _nodes_of(job) == [ids[n] for n in expected]
 
 
-def test_chimera_across_two_nodes_spread_equals_sequential(ray_cluster):
+def test_chimera_halving_across_two_nodes_spread_equals_sequential(ray_cluster):
     import ray
 
     ids = node_ids(ray)
     cfg = TrainConfig.from_flags(model="bert-tiny", schedule="chimera", stages=4, micro_batches=4, micro_batch_size=2,
                       seq_len=16, data_parallel=2, steps=3, optimizer="adamw", timeout_s=60,
-                      check_replicas=True, corpus="synthetic")
+                      check_replicas=True, corpus="synthetic", mode="halving")
     with RayJob(cfg, LaunchConfig(placement="spread"), log=lambda m: None) as job:
         records = [job.step(s) for s in range(cfg.training.steps)]
         states = job.states()

@@ -108,7 +108,8 @@ def test_user_chain_on_ray_trains_like_local(ray_session):
 
     chain = chimera.LayerChain([lambda: nn.Linear(6, 16), nn.Tanh, lambda: nn.Linear(16, 1)], nn.functional.mse_loss,
                                data(0, 0, 0), name="mlp")
-    flags = {"schedule": "chimera", "stages": 2, "micro_batches": 4, "steps": 3, "optimizer": "sgd", "lr": 0.05}
+    flags = {"schedule": "chimera", "mode": "doubling", "stages": 2, "micro_batches": 4, "steps": 3, "optimizer": "sgd",
+             "lr": 0.05}
     on_ray = [r["loss"] for r in ray_launch.train(chain, data, **flags)]
     local = [r["loss"] for r in chimera.train(chain, data, **flags)]
     assert on_ray == local and len(on_ray) == 3
