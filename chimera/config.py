@@ -88,6 +88,7 @@ class ProfilingConfig:
     profile_steps: tuple[int, ...] = ()
     nsys: bool = False
     comm_payload: str = "full"
+    memory: bool = False  # account the bytes each worker holds; the step's peak goes into its record
 
 
 _SECTIONS = {"model": ModelConfig, "schedule": ScheduleConfig, "training": TrainingConfig,

@@ -55,6 +55,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nsys", action="store_true", help="run the workers under Nsight Systems (nsys on PATH)")
     p.add_argument("--comm-payload", default="full", choices=PAYLOADS,
                    help="single-byte: every message/allreduce carries 1 byte (compute-only timelines; not training)")
+    p.add_argument("--profile-memory", dest="memory", action="store_true",
+                   help="account the bytes every worker holds (parameters, gradients, optimizer state, stashed "
+                        "activations, messages) and report each step's peak")
     p.add_argument("--check-replicas", action="store_true",
                    help="after every step, verify that all replicas of each stage are bitwise identical")
 

@@ -185,7 +185,7 @@ class CommBatches:
         comm_idx = [k for k, seg in enumerate(segments) if seg[0].kind.is_p2p]
         self.next_comm = dict(zip(comm_idx, comm_idx[1:]))
         self.prefetched: dict[int, list[tuple[Action, Msg, tuple[torch.Tensor, ...], list[Any]]]] = {}
-        self.send_works: list[tuple[Any, Action, int]] = []
+        self.send_works: list[tuple[Any, Action, int, torch.Tensor]] = []
 
     def _peer(self, a: Action) -> tuple[Msg, int]:
         msg, stage = message(a.kind, a.pipe, a.stage, a.microbatch)
@@ -217,9 +217,10 @@ class CommBatches:
         ahead = self.next_comm.get(k) if self.comm.prefetch_recvs else None
         if ahead is not None:
             self.prefetched[ahead] = self._recv_ops(self.segments[ahead], ops, owners)
+        self._drop_finished_sends()
         for op, (a, slot), w in zip(ops, owners, self.comm.post(ops)):
             if op.is_send:
-                self.send_works.append((w, a, st.step))
+                self.send_works.append((w, a, st.step, op.tensor))
             else:
                 slot.append(w)  # type: ignore[union-attr]
         for a, msg, tensors, works in recvs:
@@ -243,8 +244,23 @@ class CommBatches:
             out.append((a, msg, tensors, works))
         return out
 
+    def _drop_finished_sends(self) -> None:
+        """Forget the sends that completed (their errors still surface), and with them the tensors they kept."""
+        pending = []
+        for x in self.send_works:
+            if x[0] is not None and x[0].is_completed():
+                self.comm.wait(x[0], self.describe(x[1], x[2]))
+            else:
+                pending.append(x)
+        self.send_works = pending
+
     def wait_sends(self) -> None:
         """Wait for every send posted so far (before the optimizer step reuses the memory)."""
-        for w, a, step in self.send_works:
+        for w, a, step, _ in self.send_works:
             self.comm.wait(w, self.describe(a, step))
         self.send_works.clear()
+
+    def held(self) -> list[torch.Tensor]:
+        """Tensors the batches keep alive: sends in flight and receive buffers posted early."""
+        return [x[3] for x in self.send_works] + [t for recvs in self.prefetched.values() for _, _, ts, _ in recvs
+                                                  for t in ts]

@@ -10,7 +10,7 @@ its inputs and RNG state, and the backward runs the forward again under that sta
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ class StageCompute:
     """Forward and backward of the stage replicas ``modules`` of one worker."""
 
     def __init__(self, job: Job, modules: dict[tuple[str, int], StageModule], worker: int, dp_rank: int,
-                 device: torch.device, autocast: AbstractContextManager[Any]) -> None:
+                 device: torch.device, autocast: AbstractContextManager[Any], keep_saved: bool = False) -> None:
         self.job = job
         self.schedule = job.schedule
         self.modules = modules
@@ -37,6 +37,7 @@ class StageCompute:
         self.device = device
         self.autocast = autocast
         self.recompute = job.cfg.training.recompute
+        self.keep_saved = keep_saved  # collect autograd's saved tensors for the memory ledger
         self.units: Units = job.units()
         # per-unit mean losses summed with 1/(units x W): gradients equal those of the whole mini-batch's mean
         self.loss_scale = 1.0 / (self.schedule.microbatches * self.schedule.data_parallel)
@@ -57,9 +58,10 @@ class StageCompute:
                     out = mod(x, inputs=inputs, labels=labels)
                 st.stash[Slot(a.pipe, a.stage, mb)] = Stashed(x, None, data, rng)
             else:
-                with self.autocast:
+                saved: list[torch.Tensor] = []
+                with self.autocast, _saving(saved if self.keep_saved else None):
                     out = mod(x, inputs=inputs, labels=labels)
-                st.stash[Slot(a.pipe, a.stage, mb)] = Stashed(x, out, data)
+                st.stash[Slot(a.pipe, a.stage, mb)] = Stashed(x, out, data, saved=saved)
             if mod.is_last:
                 st.loss_sum += out.detach().to(torch.float64)
                 st.loss_count += 1
@@ -126,6 +128,18 @@ class StageCompute:
             st.inbox[msg] = tensors
         else:
             st.outbox[msg] = tuple(t.contiguous() for t in tensors)
+
+
+def _saving(into: list[torch.Tensor] | None) -> AbstractContextManager[Any]:
+    """Record the tensors autograd saves for the backward into ``into`` (nothing when None)."""
+    if into is None:
+        return nullcontext()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        into.append(t)
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def _fill(grads: tuple[torch.Tensor, ...], specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:

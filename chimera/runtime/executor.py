@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from chimera.runtime.comm import CommBatches
+from chimera.runtime.ledger import MemoryLedger
 from chimera.runtime.step_state import StepState
 from chimera.schedule import Action, Kind
 from chimera.timeline.recorder import EventRecorder
@@ -41,8 +42,8 @@ class Executor:
         self.handlers = handlers
         self.batches = batches
 
-    def run(self, st: StepState, recorder: EventRecorder | None = None) -> None:
-        """Execute the whole list once for step ``st.step``."""
+    def run(self, st: StepState, recorder: EventRecorder | None = None, ledger: MemoryLedger | None = None) -> None:
+        """Execute the whole list once for step ``st.step`` (the ledger looks after every segment)."""
         for k, seg in enumerate(self.segments):
             mark = recorder.begin(seg) if recorder else None
             if seg[0].kind.is_p2p:
@@ -51,3 +52,5 @@ class Executor:
                 self.handlers[seg[0].kind](seg[0], st)
             if recorder:
                 recorder.end(seg, mark)
+            if ledger:
+                ledger.observe(st)

@@ -62,6 +62,11 @@ class GradBuckets:
                 self._pending.append((bucket, flat, [recv, send], buf))
         self._incoming.clear()
 
+    def held(self) -> list[torch.Tensor]:
+        """Buffers of the sum in progress: the peer's buckets posted early and the flat copies being summed."""
+        return [buf for buf, _ in self._incoming] + [t for _, flat, _, peer in self._pending
+                                                     for t in (flat, peer) if t is not None]
+
     def wait(self, what: str) -> None:
         """Wait for the sums and write them back into the gradients."""
         for bucket, flat, works, peer_flat in self._pending:

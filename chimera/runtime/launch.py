@@ -67,6 +67,8 @@ def summarize_step(cfg: TrainConfig, results: list[StepResult]) -> dict[str, Any
         "comm_bytes": sum(size * n for size, n in payloads.items()),
         "comm_messages": sum(payloads.values()),
         "payload_sizes": {str(k): v for k, v in sorted(payloads.items())},
+        **({"memory_peak_bytes": [r.memory for r in sorted(results, key=lambda r: r.rank)]}
+           if results[0].memory else {}),
     }
 
 

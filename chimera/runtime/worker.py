@@ -30,6 +30,7 @@ from chimera.job import Job
 from chimera.runtime.comm import CommBatches, Communicator
 from chimera.runtime.compute import StageCompute
 from chimera.runtime.executor import Executor, Handler, segments
+from chimera.runtime.ledger import MemoryLedger
 from chimera.runtime.stage_state import StageState, tied_ranks
 from chimera.runtime.step_state import StepState
 from chimera.schedule import Action, Kind
@@ -50,6 +51,7 @@ class StepResult:
     events: list[Event] = field(default_factory=list)
     digests: dict[tuple[str, int], str] = field(default_factory=dict)
     payloads: dict[int, int] = field(default_factory=dict)  # bytes per message/allreduce -> how many
+    memory: dict[str, int] = field(default_factory=dict)  # peak bytes held and its breakdown (--profile-memory)
 
 
 class PipelineWorker:
@@ -85,7 +87,9 @@ class PipelineWorker:
         self.stages = StageState(self.job, self.worker, self.dp_rank, self.device, self.comm)
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if t.amp and self.device.type == "cuda"
                     else nullcontext())
-        self.compute = StageCompute(self.job, self.stages.modules, self.worker, self.dp_rank, self.device, autocast)
+        account = self.cfg.profiling.memory
+        self.compute = StageCompute(self.job, self.stages.modules, self.worker, self.dp_rank, self.device, autocast,
+                                    keep_saved=account)
         segs = segments(sched.actions[self.worker])
         self.batches = CommBatches(self.comm, self.job, self.worker, segs, self.device, self._what)
         handlers: dict[Kind, Handler] = {
@@ -96,6 +100,7 @@ class PipelineWorker:
             Kind.OPTIMIZER_STEP: self._optimizer_step,
         }
         self.executor = Executor(segs, handlers, self.batches, self.name)
+        self.ledger = MemoryLedger(self.stages, self.batches) if account else None
         self.recorder = (EventRecorder(self.rank, self.device, sched.bidirectional)
                          if self.cfg.profiling.profile or self.cfg.profiling.nsys else None)
         return {"rank": self.rank, "worker": self.worker, "stages": sorted(self.stages.modules),
@@ -113,13 +118,15 @@ class PipelineWorker:
             rec.start_step(step)
         self.comm.start_step()
         self.stages.start_step()
-        self.executor.run(st, rec)
+        if self.ledger:
+            self.ledger.start_step()
+        self.executor.run(st, rec, self.ledger)
         events = rec.finish() if rec else []
         loss_sum = float(st.loss_sum)
         elapsed = time.perf_counter() - t_start
         digests = self.stages.digests() if self.cfg.training.check_replicas else {}
         return StepResult(step, self.rank, loss_sum, st.loss_count, elapsed, st.grad_norm, events, digests,
-                          self.comm.payload_sizes())
+                          self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {})
 
     def _optimizer_step(self, a: Action, st: StepState) -> None:
         self.batches.wait_sends()

@@ -1,0 +1,76 @@
+"""Simulator costs of a configuration from a profile: per-stage compute, messages, gradient sums.
+
+    costs = simulator_costs(profile, stage_layers, unit=4, recompute=False, schedule=sched)
+    simulate(sched, costs).makespan          # predicted step time, seconds
+
+A stage's forward is the sum of its layers' forwards at the schedule's unit size (the micro-batch size, or half
+of it under backward halving); its backward the sum of their backwards, plus their forward again where the
+stage recomputes (every stage but the last: the runtime keeps the last stage's graph). A message costs the
+profiled p2p link for the bytes the sending stage outputs; a stage's gradient sum the profiled allreduce over
+its group for its parameter bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from chimera.profile import Profile, ProfileError
+from chimera.schedule import Costs, Schedule
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per stage: forward and backward seconds for one unit, output bytes, parameter bytes."""
+
+    fwd: list[float]
+    bwd: list[float]
+    out_bytes: list[int]
+    param_bytes: list[int]
+
+
+def stage_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, recompute: bool) -> StageCosts:
+    """Costs of every stage of a partition at ``unit`` samples per schedule unit."""
+    last = len(stage_layers) - 1
+    fwd, bwd, out, params = [], [], [], []
+    for s, layers in enumerate(stage_layers):
+        t = profile.stage_seconds(layers, unit)
+        fwd.append(t["forward"])
+        bwd.append(t["backward"] + (t["recompute"] if recompute and s < last else 0.0))
+        out.append(profile.cost(layers[-1], unit).output_bytes)
+        params.append(sum(profile.layers[i].param_bytes for i in layers))
+    return StageCosts(fwd, bwd, out, params)
+
+
+def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, recompute: bool,
+                    schedule: Schedule, optimizer_s: float = 0.0) -> Costs:
+    """The :class:`~chimera.schedule.Costs` of running ``schedule`` with this partition (module docstring).
+
+    The simulator's compute costs are per micro-batch and scaled by the schedule's ``microbatch_scale``, so under
+    backward halving (units of B/2) the cost of a unit is given times two. Without a communication profile
+    messages and gradient sums are free (a lower bound).
+    """
+    sc = stage_costs(profile, stage_layers, unit, recompute)
+    per_mb = float(1 / schedule.microbatch_scale)
+    fwd, bwd = [t * per_mb for t in sc.fwd], [t * per_mb for t in sc.bwd]
+    comm = profile.comm
+    if comm is None:
+        return Costs(fwd=fwd, bwd=bwd, optimizer=optimizer_s)
+    allreduce = []
+    for s in range(len(stage_layers)):
+        n = len(schedule.stage_group(s))
+        allreduce.append(_allreduce_link(profile, n).time(sc.param_bytes[s]) if n > 1 else 0.0)
+    return Costs(fwd=fwd, bwd=bwd, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes,
+                 p2p_bandwidth=comm.p2p.bandwidth_Bps, allreduce=allreduce, optimizer=optimizer_s)
+
+
+def _allreduce_link(profile: Profile, ranks: int):  # type: ignore[no-untyped-def]
+    """The allreduce model for ``ranks`` ranks: measured, else the nearest measured group size above or below."""
+    assert profile.comm is not None
+    measured = profile.comm.allreduce
+    if ranks in measured:
+        return measured[ranks]
+    if not measured:
+        raise ProfileError("the profile's communication part has no allreduce measurement; profile with --comm")
+    nearest = min(measured, key=lambda n: (abs(n - ranks), -n))
+    return measured[nearest]

@@ -1,0 +1,80 @@
+"""Memory accounting: the bytes a worker's runtime holds, by category, at its peak within a step.
+
+With ``--profile-memory`` the executor asks the ledger to look after every action: it sums the unique storages
+of the tensors the runtime references (parameters, gradients, optimizer state, what the step stashes for its
+backwards including the tensors autograd saved, messages waiting or in flight, gradient-sum buffers), each
+storage counted once, in the first category that holds it. The step's peak and its breakdown go into the
+step's result; the memory model (``chimera.plan.memory``) is checked against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from chimera.microbatch import tensors
+from chimera.runtime.step_state import StepState
+
+CATEGORIES = ("params", "optimizer", "grads", "activations", "messages", "sync")
+
+
+class MemoryLedger:
+    """Peak bytes held by one worker in one step (module docstring)."""
+
+    def __init__(self, stages: Any, batches: Any) -> None:
+        self.stages = stages
+        self.batches = batches
+        self.peak: dict[str, int] = {}
+
+    def start_step(self) -> None:
+        self.peak = dict.fromkeys(("total", *CATEGORIES), 0)
+
+    def observe(self, st: StepState) -> None:
+        """Account for what is held now; keep the breakdown of the largest total so far."""
+        seen: set[int] = set()
+        counts = {
+            "params": _bytes(self.stages.params, seen),
+            "optimizer": _bytes(_state_tensors(self.stages.optimizer), seen),
+            "grads": _bytes((p.grad for p in self.stages.params if p.grad is not None), seen),
+            "activations": _bytes(_stash_tensors(st), seen),
+            "messages": _bytes([*_tuples(st.inbox.values()), *_tuples(st.outbox.values()), *self.batches.held()],
+                               seen),
+            "sync": _bytes((t for b in self.stages.buckets.values() for t in b.held()), seen),
+        }
+        total = sum(counts.values())
+        if total > self.peak.get("total", 0):
+            self.peak = {"total": total, **counts}
+
+
+def _tuples(values: Iterable[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    return [t for ts in values for t in ts]
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _stash_tensors(st: StepState) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for s in st.stash.values():
+        out += list(s.inputs) + list(s.saved)
+        if isinstance(s.output, torch.Tensor):
+            out.append(s.output)
+        elif isinstance(s.output, tuple):
+            out += [t for t in s.output if isinstance(t, torch.Tensor)]
+        if s.data is not None:
+            out += tensors(s.data)
+    return out
+
+
+def _bytes(ts: Iterable[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for t in ts:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
