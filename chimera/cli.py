@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
+from chimera.plan.cli import add_plan_parser
 from chimera.schedule import (
     CHIMERA_MODES,
     SCHEDULES,
@@ -198,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("-o", "--output", required=True, help="output file (.png/.pdf; no suffix: both)")
         p.set_defaults(func=func)
+    add_plan_parser(sub)
     tl = sub.add_parser("timeline", help="timeline outputs of profiled runs")
     tsub = tl.add_subparsers(dest="action", required=True, parser_class=_Parser)
     tplot = tsub.add_parser("plot", help="rebuild trace, figure and summary of profiles/NAME.events.json")

@@ -15,6 +15,7 @@ runtime), ``profiling`` (timelines). Options of the Ray launcher live with it (`
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class TrainingConfig:
     amp: bool = True
     timeout_s: float = 120.0
     threads: int | None = None
+    memory_per_worker: str | None = None  # e.g. "80GiB": the planner's memory limit
     check_replicas: bool = False
     debug_stall: tuple[int, float] | None = None  # (worker rank, seconds): fault injection for timeout tests
 
@@ -132,6 +134,10 @@ class TrainConfig:
         p = self.profiling
         return p.profile and (not p.profile_steps or step in p.profile_steps)
 
+    def worker_threads(self, world: int) -> int:
+        """Torch threads of one worker: ``--threads``, else the machine's cores shared among the ``world`` workers."""
+        return self.training.threads or max(1, (os.cpu_count() or 1) // max(1, world))
+
     @property
     def is_training_result(self) -> bool:
         """False in single-byte mode: messages and allreduces carry one byte, the numbers are not training."""
@@ -162,16 +168,25 @@ class TrainConfig:
         elif data is None and chain.data is None:
             raise ConfigError(f"{chain.name} has no dataset of its own: pass data (a function (step, micro-batch, "
                               "data-parallel rank) -> (inputs, labels), or a dataset with such a get())")
-        try:
-            stage_layers = partition(chain, sched.stages, _partition_method(self.model.partition))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        prediction = None
+        if self.model.partition == "planned":
+            from chimera.plan.auto import planned_partition
+
+            try:
+                stage_layers, prediction = planned_partition(self, chain, sched)
+            except ValueError as e:
+                raise ConfigError(f"--partition planned: {e}") from None
+        else:
+            try:
+                stage_layers = partition(chain, sched.stages, _partition_method(self.model.partition))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         unit = int(s.micro_batch_size * sched.microbatch_scale)
         try:
             boundaries = chain.boundaries(unit)
         except ChainError as e:
             raise ConfigError(str(e)) from None
-        return Job(self, chain, data, validate(lower(sched)), stage_layers, boundaries)
+        return Job(self, chain, data, validate(lower(sched)), stage_layers, boundaries, prediction)
 
 
 def _need(ok: bool, message: str) -> None:
@@ -198,6 +213,13 @@ def _check_fields(cfg: TrainConfig) -> None:
     _need(t.timeout_s > 0, f"--timeout must be > 0 seconds, got {t.timeout_s}")
     _need(t.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {t.clip_grad}")
     _need(t.threads is None or t.threads >= 1, f"--threads must be >= 1, got {t.threads}")
+    if t.memory_per_worker is not None:
+        from chimera.plan.memory import parse_bytes
+
+        try:
+            parse_bytes(t.memory_per_worker)
+        except ValueError as e:
+            raise ConfigError(f"--memory-per-worker: {e}") from None
     _need(p.comm_payload in PAYLOADS, f"--comm-payload must be one of {', '.join(PAYLOADS)}, got {p.comm_payload!r}")
     bad = [x for x in p.profile_steps if not 0 <= x < t.steps]
     _need(not bad, f"--profile-steps {bad} are outside 0..{t.steps - 1}; raise --steps or pick other steps")
@@ -237,8 +259,8 @@ def _partition_method(text: str) -> str | list[int]:
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
-        raise ConfigError(f"--partition must be 'uniform', 'params' or layer counts like '2,2,1,1', got {text!r}"
-                          ) from None
+        raise ConfigError(f"--partition must be 'uniform', 'params', 'planned' or layer counts like '2,2,1,1', got "
+                          f"{text!r}") from None
 
 
 __all__ = ["CHIMERA_MODES", "ConfigError", "Job", "ModelConfig", "ProfilingConfig", "ScheduleConfig", "TrainConfig",

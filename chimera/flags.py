@@ -37,7 +37,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default=s.mode, choices=CHIMERA_MODES,
                    help="chimera with N > D: direct concatenation, forward doubling (two micro-batches per forward "
                         "slot; pair with --recompute) or backward halving (backward on half micro-batches)")
-    p.add_argument("--partition", default=m.partition, help="uniform, params or layers per stage '2,2,1,1'")
+    p.add_argument("--partition", default="planned",
+                   help="planned (profile briefly, then the split with the least simulated step time), uniform, "
+                        "params, or layers per stage '2,2,1,1'")
     p.add_argument("--optimizer", default=t.optimizer, choices=OPTIMIZERS)
     p.add_argument("--lr", type=float, default=t.lr)
     p.add_argument("--weight-decay", type=float, default=t.weight_decay)
@@ -49,6 +51,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", dest="timeout_s", type=float, default=t.timeout_s,
                    help="seconds any blocking wait may take before the run fails")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    p.add_argument("--memory-per-worker", default=None, help="memory limit per worker for planning, e.g. 16GiB")
+    p.add_argument("--plan", default=None, help="train a plan: a file from chimera plan, or 'auto' (profile briefly, "
+                   "then plan for --stages x --data-parallel workers and this global batch)")
     p.add_argument("--profile", action="store_true", help="record per-action timeline events and write "
                    "profiles/NAME.{trace.json,png,pdf,json}")
     p.add_argument("--profile-steps", type=_steps, default=(), help="steps to record, e.g. 5,6,7 (default: all)")

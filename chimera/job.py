@@ -29,6 +29,8 @@ class Job:
         stage_layers: layer indices of every stage.
         boundaries: ``boundaries[b]``: the tensors flowing into layer ``b`` for one schedule unit
             (``unit_size`` samples).
+        prediction: the planner's prediction for this job (step seconds, bubble, peak memory) when it planned
+            the partition.
     """
 
     cfg: TrainConfig
@@ -37,6 +39,7 @@ class Job:
     schedule: Schedule
     stage_layers: list[list[int]]
     boundaries: list[list[TensorSpec]]
+    prediction: dict[str, Any] | None = None
 
     @property
     def world_size(self) -> int:

@@ -79,7 +79,7 @@ class PipelineWorker:
         else:
             self.device = torch.device("cpu")
             _keep_freed_memory()
-        torch.set_num_threads(t.threads or max(1, (os.cpu_count() or 1) // max(1, self.world_size)))
+        torch.set_num_threads(self.cfg.worker_threads(self.world_size))
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=self.init_method,
                                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=t.timeout_s))
         self.comm = Communicator(sched, self.rank, tied_ranks(self.job), t.timeout_s, self.name,

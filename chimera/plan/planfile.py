@@ -1,0 +1,96 @@
+"""The plan file: the configuration the planner chose, with its predictions, for a run to train exactly that.
+
+    plan = Plan.load("profiles/bert-tiny.plan.json")
+    cfg = plan.apply(TrainConfig.from_flags(model="bert-tiny"))   # schedule, D, W, B, N, recompute, partition
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chimera.plan.search import Evaluated, PlanResult
+
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan file that is missing, malformed or made for another model; says what to do."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen configuration (training flags) and what the simulator predicted for it."""
+
+    model: str
+    fingerprint: str
+    device: str
+    workers: int
+    global_batch: int
+    memory_limit: int | None
+    flags: dict[str, Any]
+    predicted_step_s: float
+    predicted_samples_per_s: float
+    predicted_bubble: float
+    peak_memory_bytes: int
+    version: int = PLAN_VERSION
+    ranked: list[dict[str, Any]] = field(default_factory=list)  # the runners-up, for the record
+
+    @staticmethod
+    def from_result(result: PlanResult, model: str, fingerprint: str, device: str, keep: int = 10) -> Plan:
+        """The best candidate of ``result`` as a plan (PlanError when nothing fits)."""
+        if not result.ranked:
+            reasons = sorted({e.reason for e in result.infeasible if e.reason})[:5]
+            raise PlanError(f"no configuration of {model} fits on {result.inputs.get('workers')} workers: "
+                            + "; ".join(reasons))
+        best = result.ranked[0]
+        return Plan(model, fingerprint, device, result.inputs["workers"], result.inputs["global_batch"],
+                    result.inputs.get("memory_limit"), plan_flags(best), float(best.step_s or 0.0),
+                    float(best.samples_per_s or 0.0), float(best.bubble or 0.0), int(best.peak_memory or 0),
+                    ranked=[summary(e) for e in result.ranked[:keep]])
+
+    def apply(self, cfg: Any) -> Any:
+        """``cfg`` (a TrainConfig) with this plan's schedule, sizes, recomputation and partition."""
+        if cfg.model.name != self.model:
+            raise PlanError(f"the plan is for model {self.model}, not --model {cfg.model.name}; plan this model with "
+                            "chimera plan")
+        return cfg.with_flags(**self.flags)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        return path
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"no plan at {path}; make one with chimera plan --model NAME --profile P --workers K -o "
+                            f"{path}, or pass --plan auto")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path} is not JSON ({e}); make the plan again with chimera plan") from None
+        if d.get("version") != PLAN_VERSION:
+            raise PlanError(f"{path}: plan format {d.get('version')} is not {PLAN_VERSION}; make it again")
+        try:
+            return Plan(**d)
+        except TypeError as e:
+            raise PlanError(f"{path}: malformed plan ({e}); make it again with chimera plan") from None
+
+
+def plan_flags(e: Evaluated) -> dict[str, Any]:
+    """Training flags of an evaluated candidate, its partition included."""
+    flags = e.candidate.flags()
+    if e.partition:
+        flags["partition"] = ",".join(map(str, e.partition))
+    return flags
+
+
+def summary(e: Evaluated) -> dict[str, Any]:
+    """One candidate as a JSON-ready record."""
+    return {**plan_flags(e), "label": e.candidate.label, "step_s": e.step_s, "samples_per_s": e.samples_per_s,
+            "bubble": e.bubble, "peak_memory_bytes": e.peak_memory, "reason": e.reason}
