@@ -151,6 +151,10 @@ class TrainConfig:
         return (f"{self.model.name}_{s.name}_{s.stages}stages_{s.stages * s.data_parallel}gpus_"
                 f"microbs{s.micro_batch_size}_acc{acc}")
 
+    def preset_chain(self) -> LayerChain:
+        """The chain of the preset ``model.name`` (vocabulary from the corpus' tokenizer); ConfigError if none."""
+        return _preset_chain(self.model)
+
     def check(self, chain: LayerChain | None = None, data: Any = None) -> Job:
         """Validate every field once; return the :class:`Job` the workers run. Raises :class:`ConfigError`.
 
@@ -164,7 +168,7 @@ class TrainConfig:
         except ScheduleConfigError as e:
             raise ConfigError(str(e)) from None
         if chain is None:
-            chain = _preset_chain(self.model)
+            chain = self.preset_chain()
         elif data is None and chain.data is None:
             raise ConfigError(f"{chain.name} has no dataset of its own: pass data (a function (step, micro-batch, "
                               "data-parallel rank) -> (inputs, labels), or a dataset with such a get())")

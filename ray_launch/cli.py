@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import argparse
 import signal
+import statistics
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from chimera.config import ConfigError
 from chimera.flags import add_train_args, config_from_args
-from ray_launch.config import add_launch_args, launch_from_args
+from chimera.job import Job
+from ray_launch.config import LaunchConfig, add_launch_args, launch_from_args
 from ray_launch.driver import RunError, run
 
 
@@ -26,11 +29,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _checked(ns: argparse.Namespace) -> tuple[Job, LaunchConfig]:
+    """The job (with ``--plan`` applied: a plan file, or ``auto``, which profiles and plans first) and the launch."""
+    cfg = config_from_args(ns)
+    launch = launch_from_args(ns).check()
+    if ns.plan:
+        from chimera.plan import PlanError
+        from chimera.plan.auto import apply_plan
+        from chimera.profile import ProfileError
+
+        try:
+            cfg, chosen = apply_plan(cfg, ns.plan, cfg.preset_chain())
+        except (PlanError, ProfileError) as e:
+            raise ConfigError(f"--plan {ns.plan}: {e}") from None
+        print(f"plan: {chosen.flags} (predicted {chosen.predicted_step_s:.4g} s/step)", file=sys.stderr)
+        return replace(cfg.check(), prediction={"step_s": chosen.predicted_step_s, "profile": ns.plan}), launch
+    return cfg.check(), launch
+
+
 def run_from_args(ns: argparse.Namespace) -> int:
     """Run from parsed flags; configuration errors: one line, exit code 2."""
     try:
-        job = config_from_args(ns).check()
-        launch = launch_from_args(ns).check()
+        job, launch = _checked(ns)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -52,6 +72,11 @@ def run_from_args(ns: argparse.Namespace) -> int:
     note = "" if cfg.is_training_result else " [single-byte payload: NOT a training result]"
     print(f"{cfg.run_name}: {len(records)} steps, final loss {last['loss']:.4f}, "
           f"{last['samples_per_s']:.1f} samples/s; metrics in {out}{note}")
+    if job.prediction and len(records) > 1:
+        measured = statistics.median(r["step_time_s"] for r in records[1:])
+        predicted = job.prediction["step_s"]
+        print(f"step time: predicted {predicted:.4g} s ({job.prediction.get('profile')}), measured {measured:.4g} s "
+              f"(median of steps 1-{len(records) - 1}; measured / predicted = {measured / predicted:.2f})")
     return 0
 
 
