@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from chimera.plan.costs import simulator_costs
 from chimera.plan.memory import WorkerMemory, worker_memory
 from chimera.profile import Profile
-from chimera.schedule import Schedule, simulate
+from chimera.schedule import Schedule, lower, simulate
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,7 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     work = [t["forward"] + t["backward"] + (t["recompute"] if recompute else 0.0) for t in per_layer]
     holders = [[s for _, s in schedule.stages_of(w)] for w in range(schedule.workers)]
     compute_only = schedule.compute_only()
+    lowered = lower(compute_only)  # once per schedule: messages, gradient sums and the optimizer step are timed
 
     def load(sizes: list[int]) -> tuple[float, ...]:
         starts = [sum(sizes[:s]) for s in range(d)]
@@ -115,7 +116,7 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     def evaluate(sizes: list[int]) -> PartitionResult:
         layers = layers_of(sizes)
         mem = worker_memory(profile, compute_only, layers, unit, optimizer, recompute, exchange)
-        sim = simulate(compute_only, simulator_costs(profile, layers, unit, recompute, schedule))
+        sim = simulate(lowered, simulator_costs(profile, layers, unit, recompute, schedule))
         return PartitionResult(list(sizes), float(sim.makespan), float(sim.bubble), mem)
 
     cache: dict[tuple[int, ...], PartitionResult] = {}

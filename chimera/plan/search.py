@@ -114,8 +114,11 @@ def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int]) -> str | None:
 
 
 def plan(profile: Profile, workers: int, global_batch: int | None = None, memory_limit: int | None = None,
-         optimizer: str = "adamw", top: int = 10, exchange: bool = True) -> PlanResult:
-    """Rank the configurations of ``profile``'s model on ``workers`` workers (module docstring)."""
+         optimizer: str = "adamw", top: int = 10, exchange: bool = True, refine: int = 3) -> PlanResult:
+    """Rank the configurations of ``profile``'s model on ``workers`` workers (module docstring).
+
+    Every candidate is first simulated with its load-balanced partition; the best ``refine`` x ``top`` then get
+    their partition refined by simulation (``chimera.plan.partition``) and are ranked again."""
     sizes = sorted(profile.micro_batch_sizes)
     g = global_batch or max(sizes) * workers
     result = PlanResult([], [], inputs={"workers": workers, "global_batch": g, "memory_limit": memory_limit,
@@ -133,10 +136,11 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
         if len(best) >= top and bound >= -best[0]:
             result.pruned += 1
             continue
-        ev = _evaluate(profile, c, memory_limit, optimizer, exchange)
+        ev = _evaluate(profile, c, memory_limit, optimizer, exchange, rounds=0)
         if ev.reason is not None and "memory" in ev.reason and not c.recompute:
             result.infeasible.append(ev)  # try the same configuration recomputing
-            ev = _evaluate(profile, Candidate(**{**c.flags(), "recompute": True}), memory_limit, optimizer, exchange)
+            ev = _evaluate(profile, Candidate(**{**c.flags(), "recompute": True}), memory_limit, optimizer, exchange,
+                           rounds=0)
         if ev.reason is not None:
             result.infeasible.append(ev)
             continue
@@ -144,6 +148,10 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
         heapq.heappush(best, -ev.step_s)  # type: ignore[operator]
         if len(best) > top:
             heapq.heappop(best)
+    result.ranked.sort(key=lambda e: e.step_s)  # type: ignore[arg-type,return-value]
+    head = [_evaluate(profile, e.candidate, memory_limit, optimizer, exchange) for e in result.ranked[:refine * top]]
+    result.ranked[:len(head)] = [h if h.reason is None and h.step_s <= e.step_s else e  # type: ignore[operator]
+                                 for h, e in zip(head, result.ranked)]
     result.ranked.sort(key=lambda e: e.step_s)  # type: ignore[arg-type,return-value]
     return result
 
@@ -158,10 +166,12 @@ def _lower_bound(profile: Profile, c: Candidate, cache: dict[tuple[int, bool], f
     return units * cache[key] / c.stages
 
 
-def _evaluate(profile: Profile, c: Candidate, memory_limit: int | None, optimizer: str, exchange: bool) -> Evaluated:
+def _evaluate(profile: Profile, c: Candidate, memory_limit: int | None, optimizer: str, exchange: bool,
+              rounds: int = 8) -> Evaluated:
     sched = build_schedule(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode,
                            data_parallel=c.data_parallel)
-    part: PartitionResult = plan_partition(profile, sched, c.unit, c.recompute, optimizer, memory_limit, exchange)
+    part: PartitionResult = plan_partition(profile, sched, c.unit, c.recompute, optimizer, memory_limit, exchange,
+                                           rounds=rounds)
     peak = part.peak_memory
     if memory_limit is not None and peak > memory_limit:
         return Evaluated(c, peak_memory=peak, partition=part.sizes,

@@ -22,7 +22,7 @@ from typing import Any
 
 from chimera.schedule.ir import Action, Schedule
 from chimera.schedule.kinds import SPECS, Address, Res
-from chimera.schedule.replay import Key, replay
+from chimera.schedule.replay import replay
 from chimera.schedule.validate import ScheduleError, format_grid
 
 Num = Any  # int, float or Fraction
@@ -39,7 +39,7 @@ class Costs:
     fwd: Num | Sequence[Num] = 1
     bwd: Num | Sequence[Num] = 2
     p2p_latency: Num = 0
-    p2p_bytes: Num = 0
+    p2p_bytes: Num | Sequence[Num] = 0
     p2p_bandwidth: Num = 0
     allreduce: Num | Sequence[Num] = 0
     optimizer: Num = 0
@@ -61,9 +61,11 @@ class Costs:
         v = value * a.count
         return v if scale == 1 else v * scale
 
-    def message(self, _key: Key | None = None) -> Num:
+    def message(self, key: Any = None) -> Num:
+        """One message's time; per-stage ``p2p_bytes`` are the bytes the stage that made it sends."""
         if self.p2p_bandwidth:
-            return self.p2p_latency + self.p2p_bytes / self.p2p_bandwidth
+            nbytes = self.p2p_bytes[key.stage] if isinstance(self.p2p_bytes, Sequence) else self.p2p_bytes
+            return self.p2p_latency + nbytes / self.p2p_bandwidth
         return self.p2p_latency
 
 
