@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from chimera.plan import Plan, PlanError, parse_bytes, plan, plan_partition, simulator_costs, worker_memory
 from chimera.plan.partition import layers_of, min_max_split
-from chimera.schedule import build_schedule, simulate
+from chimera.schedule import build_schedule, lower, simulate
 from tests.synthetic_profiles import bert48_paper_like, layer, profile
 
 SIZES = (1, 2, 4)
@@ -83,7 +83,7 @@ def test_chimera_partition_beats_balanced_pairs_and_uniform():
     sched = build_schedule("chimera", 4, 4)
 
     def step(sizes):
-        return float(simulate(sched, simulator_costs(prof, layers_of(sizes), 1, False, sched)).makespan)
+        return float(simulate(lower(sched), simulator_costs(prof, layers_of(sizes), 1, False, sched)).makespan)
 
     part = plan_partition(prof, sched, 1, False, "sgd")
     assert part.step_s == pytest.approx(step(part.sizes))
