@@ -1,0 +1,150 @@
+"""How well the planner predicts: predicted vs measured step time of planned configurations, side by side.
+
+1. ``accuracy``: BERT-tiny and GPT-2-tiny at D = 2 (two workers on the two cores, one thread each). The model is
+   profiled as the workers run it (one thread, the unit sizes asked), the planner ranks the configurations for
+   2 workers and a global batch, and the best few and the uniform-partition variants are trained with
+   ``run_local``; measured = median of the workers' step time (max over ranks) over steps 2..n.
+2. ``heavy``: a chain of sleeping layers, one of them five times heavier: the planned partition against the
+   uniform one (1F1B, D = 2): measured margin vs the simulator's predicted margin. Sleeping layers make the
+   step independent of how the two cores are shared.
+3. ``default``: the default job (BERT-mini, Chimera, D = N = 4) on Ray with the uniform and the planned
+   partition: measured utilization (1 - bubble, from the runtime's own timeline) and the simulated ideal.
+
+Usage: python bench/plan_accuracy.py [--parts accuracy,heavy,default] [--steps 6] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from chimera.config import TrainConfig  # noqa: E402
+from chimera.models import LayerChain, build_model  # noqa: E402
+from chimera.plan import plan, plan_partition, simulator_costs  # noqa: E402
+from chimera.plan.partition import layers_of  # noqa: E402
+from chimera.plan.planfile import plan_flags  # noqa: E402
+from chimera.profile.comm import measure_comm_local  # noqa: E402
+from chimera.profile.layers import profile_chain  # noqa: E402
+from chimera.runtime import run_local  # noqa: E402
+from chimera.schedule import build_schedule, lower, simulate  # noqa: E402
+
+
+def measured_step(cfg: TrainConfig) -> float:
+    """Median over steps 2.. of the slowest worker's step time, under run_local."""
+    res = run_local(cfg)
+    return statistics.median(m["step_time_s"] for m in res.metrics[2:])
+
+
+def accuracy(steps: int, reps: int) -> list[str]:
+    rows = ["| model | schedule | D | W | B | N | partition | predicted s | measured s | measured / predicted |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    comm = measure_comm_local(2)
+    for name in ("bert-tiny", "gpt2-tiny"):
+        chain = build_model(name, seq_len=64)
+        prof = profile_chain(chain, [2, 4, 8], reps=reps, warmup=2, threads=1, comm=comm)
+        result = plan(prof, 2, global_batch=32, optimizer="adamw", top=4)
+        base = TrainConfig.from_flags(model=name, seq_len=64, corpus="synthetic", optimizer="adamw", steps=steps,
+                                      threads=1, clip_grad=0.0)
+        for e in result.ranked[:4]:
+            flags = plan_flags(e)
+            measured = measured_step(base.with_flags(**flags))
+            rows.append(f"| {name} | {e.candidate.label} | {e.candidate.stages} | {e.candidate.data_parallel} | "
+                        f"{e.candidate.micro_batch_size} | {e.candidate.micro_batches} | {flags.get('partition')} | "
+                        f"{e.step_s:.4f} | {measured:.4f} | {measured / e.step_s:.3f} |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def _sleepy(seconds: float) -> nn.Module:
+    class Sleep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(seconds)
+            return self.lin(x)
+
+    return Sleep()
+
+
+def heavy(steps: int, reps: int) -> list[str]:
+    def data(step: int, mb: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step * 100 + mb * 10 + rank)
+        return torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+
+    chain = LayerChain([lambda i=i: _sleepy(0.05 if i == 2 else 0.01) for i in range(8)], nn.functional.mse_loss,
+                       data(0, 0, 0), name="heavy-layer")
+    prof = profile_chain(chain, [2], reps=reps, warmup=1, threads=1)
+    sched = build_schedule("1f1b", 2, 8)
+    planned = plan_partition(prof, sched, 2, False, "sgd")
+    uniform = [4, 4]
+    predicted_uniform = float(simulate(lower(sched), simulator_costs(prof, layers_of(uniform), 2, False, sched)
+                                       ).makespan)
+    base = TrainConfig.from_flags(model="heavy-layer", schedule="1f1b", stages=2, micro_batches=8, micro_batch_size=2, steps=steps,
+                                  optimizer="sgd", clip_grad=0.0, threads=1)
+
+    def run(sizes: list[int]) -> float:
+        job = base.with_flags(partition=",".join(map(str, sizes))).check(chain, data)
+        return statistics.median(m["step_time_s"] for m in run_local(job).metrics[2:])
+
+    m_uniform, m_planned = run(uniform), run(planned.sizes)
+    pred_margin = 1 - planned.step_s / predicted_uniform
+    meas_margin = 1 - m_planned / m_uniform
+    ok = "ok" if meas_margin >= pred_margin - 0.10 else "MISSED"
+    return ["| partition | predicted s | measured s |", "|---|---|---|",
+            f"| uniform {uniform} | {predicted_uniform:.4f} | {m_uniform:.4f} |",
+            f"| planned {planned.sizes} | {planned.step_s:.4f} | {m_planned:.4f} |",
+            f"\nmargin of the planned partition: predicted {pred_margin:.3f}, measured {meas_margin:.3f} "
+            f"(goal: measured >= predicted - 0.10): {ok}"]
+
+
+def default_job(steps: int) -> list[str]:
+    from chimera.timeline.analysis import step_stats
+    from ray_launch.driver import RayJob
+
+    rows = ["| partition | layers per stage | measured step s | measured utilization | predicted step s | "
+            "simulated utilization |", "|---|---|---|---|---|---|"]
+    for partition in ("uniform", "planned"):
+        cfg = TrainConfig.from_flags(partition=partition, steps=steps, profile=True)
+        job = cfg.check()
+        with RayJob(job, log=lambda m: None) as rj:
+            records = [rj.step(s) for s in range(steps)]
+        events = [e for rec in records[1:] for r in rec["_results"] for e in r.events]
+        stats = step_stats(events)
+        measured = statistics.median(s.makespan for s in stats)
+        util = 1 - statistics.median(s.bubble for s in stats)
+        pred: dict[str, Any] = job.prediction or {}
+        rows.append(f"| {partition} | {[len(x) for x in job.stage_layers]} | {measured:.4f} | {util:.3f} | "
+                    f"{pred.get('step_s', float('nan')):.4f} | {1 - pred.get('bubble', float('nan')):.3f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="accuracy,heavy,default")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    if "accuracy" in parts:
+        print("\n".join(["## predicted vs measured (run_local, 2 workers, 1 thread each)", *accuracy(args.steps,
+                                                                                                 args.reps)]))
+    if "heavy" in parts:
+        print("\n".join(["## one heavy layer: planned vs uniform partition", *heavy(args.steps, args.reps)]))
+    if "default" in parts:
+        print("\n".join(["## the default job: uniform vs planned partition (Ray)", *default_job(args.steps)]))
+
+
+if __name__ == "__main__":
+    main()
