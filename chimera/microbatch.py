@@ -63,3 +63,10 @@ def cat(values: Sequence[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
 def resized(value: Any, samples: int, device: str | torch.device = "meta") -> Any:
     """Empty tensors shaped like ``value``'s but with ``samples`` rows, on ``device`` (the meta device: no memory)."""
     return map_tensors(lambda t: torch.empty((samples, *t.shape[1:]), dtype=t.dtype, device=device), value)
+
+
+def repeated(value: Any, samples: int) -> Any:
+    """``value`` with ``samples`` rows, cycling through its own rows (real values: token ids and masks stay valid)."""
+    n = rows(value)
+    index = torch.arange(samples) % n
+    return map_tensors(lambda t: t[index.to(t.device)], value)

@@ -52,6 +52,25 @@ class WorkerActor:
         torch.save(self.worker.state(), buf)
         return buf.getvalue()
 
+    def probe_comm(self, rank: int, world: int, init_method: str, device: str, sizes: tuple[int, ...], reps: int,
+                   timeout_s: float) -> dict[str, Any]:
+        """Join a process group of ``world`` probe actors and run :func:`chimera.profile.comm.comm_probe`; its
+        samples, with this worker's node id and address."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from chimera.profile.comm import comm_probe
+
+        dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init_method, rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        try:
+            samples = comm_probe(rank, world, dev, sizes, reps, timeout_s)
+        finally:
+            dist.destroy_process_group()
+        return {**samples, "node_id": self.node_id(), "address": ray.util.get_node_ip_address()}
+
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()

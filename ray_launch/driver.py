@@ -111,6 +111,87 @@ def _raise_if_failed(ref: Any, rank: int, what: str) -> None:
         raise err
 
 
+def connect(launch: LaunchConfig, world: int) -> bool:
+    """Connect this driver to Ray unless it already is: join ``launch.address`` (within its connect timeout) or
+    start a local Ray on loopback with room for ``world`` workers. Returns whether Ray was started here (then the
+    caller shuts it down)."""
+    if ray.is_initialized():
+        return False
+    if not launch.address:
+        ray.init(address="local", num_cpus=max(world, os.cpu_count() or 1), include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=True)
+        return True
+    timeout = launch.connect_timeout_s
+    _check_reachable(launch.address, min(10.0, timeout))
+    errors: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            ray.init(address=launch.address, log_to_driver=True, runtime_env=job_runtime_env(launch))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=init, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive() or errors:
+        why = f"{type(errors[0]).__name__}: {str(errors[0]).splitlines()[0]}" if errors else \
+            f"no answer within {timeout:g} s"
+        raise RunError(f"cannot connect to the Ray cluster at --address {launch.address}: {why} (is a Ray head "
+                       "running there, with the same auth token? omit --address to run on a local Ray)")
+    return False
+
+
+def job_runtime_env(launch: LaunchConfig) -> dict[str, Any] | None:
+    """Ship chimera's packages to every node (``py_modules``) when joining a cluster, unless told not to."""
+    ship = launch.ship_code if launch.ship_code is not None else bool(launch.address)
+    if not ship:
+        return None
+    import chimera
+    import ray_launch
+
+    return {"py_modules": [str(Path(chimera.__file__).parent), str(Path(ray_launch.__file__).parent)]}
+
+
+def worker_env(launch: LaunchConfig) -> dict[str, str]:
+    """Environment of the workers: the driver's NCCL_*/GLOO_* variables and ``--env``."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_"))}
+    env.update(e.split("=", 1) for e in launch.env)
+    return env
+
+
+def reserve(world: int, bundle: dict[str, float], launch: LaunchConfig, workers: int, log: Any
+            ) -> tuple[Any, list[str]]:
+    """Place ``world`` workers by ``launch.placement`` (``workers`` per pipeline, for the map it logs) and reserve
+    one ``bundle`` for each on its node; returns (placement group, node id of every rank)."""
+    have = ray.cluster_resources()
+    for res, amount in bundle.items():
+        if have.get(res, 0) < amount * world:
+            raise RunError(f"the Ray cluster has {have.get(res, 0):g} {res} but {world} workers need "
+                           f"{amount * world:g}; lower --stages/--data-parallel or add nodes")
+    timeout = launch.connect_timeout_s
+    deadline = time.monotonic() + timeout
+    while True:  # resources of a job that just ended are freed asynchronously: wait for them a while
+        nodes = cluster_nodes("GPU" if "GPU" in bundle else "CPU")
+        try:
+            node_of_rank = assign(launch.placement, world, nodes)
+            break
+        except PlacementError as e:
+            if time.monotonic() > deadline:
+                raise RunError(f"{e} (waited {timeout:g} s)") from None
+            time.sleep(0.5)
+    log(format_map(node_of_rank, nodes, workers))
+    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK",
+                         bundle_label_selector=[{"ray.io/node-id": nid} for nid in node_of_rank])
+    try:
+        ray.get(pg.ready(), timeout=timeout)
+    except GetTimeoutError:
+        remove_placement_group(pg)
+        raise RunError(f"could not reserve {world} x {bundle} within {timeout:g} s "
+                       f"(available now: {ray.available_resources()})") from None
+    return pg, node_of_rank
+
+
 class RayJob:
     """One training job on Ray; use as a context manager so everything it started is stopped."""
 
@@ -137,7 +218,7 @@ class RayJob:
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> RayJob:
         try:
-            self._connect()
+            self.started_ray = connect(self.launch, self.job.world_size)
             self._place()
             self._setup()
         except BaseException:
@@ -148,80 +229,17 @@ class RayJob:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _connect(self) -> None:
-        world = self.job.world_size
-        if ray.is_initialized():
-            return
-        if self.address:
-            _check_reachable(self.address, min(10.0, self.connect_timeout_s))
-            errors: list[BaseException] = []
-
-            def connect() -> None:
-                try:
-                    ray.init(address=self.address, log_to_driver=True, runtime_env=self._job_runtime_env())
-                except BaseException as e:  # reported below
-                    errors.append(e)
-
-            t = threading.Thread(target=connect, daemon=True)
-            t.start()
-            t.join(self.connect_timeout_s)
-            if t.is_alive() or errors:
-                why = f"{type(errors[0]).__name__}: {str(errors[0]).splitlines()[0]}" if errors else \
-                    f"no answer within {self.connect_timeout_s:g} s"
-                raise RunError(f"cannot connect to the Ray cluster at --address {self.address}: {why} (is a Ray head "
-                               "running there, with the same auth token? omit --address to run on a local Ray)")
-        else:
-            ray.init(address="local", num_cpus=max(world, os.cpu_count() or 1), include_dashboard=False,
-                     _node_ip_address="127.0.0.1", log_to_driver=True)
-            self.started_ray = True
-
-    def _job_runtime_env(self) -> dict[str, Any] | None:
-        """Ship chimera's packages to every node (``py_modules``) when joining a cluster, unless told not to."""
-        ship = self.launch.ship_code if self.launch.ship_code is not None else bool(self.address)
-        if not ship:
-            return None
-        import chimera
-        import ray_launch
-
-        return {"py_modules": [str(Path(chimera.__file__).parent), str(Path(ray_launch.__file__).parent)]}
-
-    def _worker_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_"))}
-        env.update(e.split("=", 1) for e in self.launch.env)
-        return env
-
     def _place(self) -> None:
-        world = self.job.world_size
-        bundle = _bundle(self.cfg)
         if self.launch.pre_cmd:
             results = run_pre_commands(self.launch.pre_cmd)
             self.log(f"--pre-cmd ran on {len(results)} node(s)")
-        have = ray.cluster_resources()
-        for res, amount in bundle.items():
-            if have.get(res, 0) < amount * world:
-                raise RunError(f"the Ray cluster has {have.get(res, 0):g} {res} but {world} workers need "
-                               f"{amount * world:g}; lower --stages/--data-parallel or add nodes")
-        deadline = time.monotonic() + self.connect_timeout_s
-        while True:  # resources of a job that just ended are freed asynchronously: wait for them a while
-            nodes = cluster_nodes("GPU" if self.cfg.training.device == "cuda" else "CPU")
-            try:
-                self.node_of_rank = assign(self.launch.placement, world, nodes)
-                break
-            except PlacementError as e:
-                if time.monotonic() > deadline:
-                    raise RunError(f"{e} (waited {self.connect_timeout_s:g} s)") from None
-                time.sleep(0.5)
-        self.log(format_map(self.node_of_rank, nodes, self.job.schedule.workers))
-        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK",
-                                  bundle_label_selector=[{"ray.io/node-id": nid} for nid in self.node_of_rank])
-        try:
-            ray.get(self.pg.ready(), timeout=self.connect_timeout_s)
-        except GetTimeoutError:
-            raise RunError(f"could not reserve {world} x {bundle} within {self.connect_timeout_s:g} s "
-                           f"(available now: {ray.available_resources()})") from None
+        bundle = _bundle(self.cfg)
+        self.pg, self.node_of_rank = reserve(self.job.world_size, bundle, self.launch, self.job.schedule.workers,
+                                             self.log)
+        world = self.job.world_size
         options: dict[str, Any] = {}
         runtime_env: dict[str, Any] = {}
-        env = self._worker_env()
+        env = worker_env(self.launch)
         if env:
             runtime_env["env_vars"] = env
             self.log("worker environment: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))

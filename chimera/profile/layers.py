@@ -1,0 +1,290 @@
+"""Per-layer profiles (Harmony-style): every layer timed alone, on its real input, at several micro-batch sizes.
+
+The chain's example micro-batch is resized to each size by repeating its rows (so token ids and masks stay
+valid); the chain runs forward layer by layer, and each layer is timed on the input it actually receives::
+
+    from chimera.models import build_model
+    from chimera.profile.layers import profile_chain
+
+    prof = profile_chain(build_model("bert-tiny", seq_len=128), [1, 2, 4, 8], reps=5)
+    prof.save("profiles/bert-tiny.profile.json")
+    prof.cost(1, 4).forward.median_s            # block 0's forward at micro-batch size 4, seconds
+
+Only one layer's parameters are on the device at a time. Inputs that cross a stage boundary are cast to the
+dtypes inferred on the meta device, as the runtime does when it sends them (float32 under autocast too).
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import chimera
+from chimera.microbatch import map_tensors, repeated, tensors
+from chimera.models.chain import LayerChain, TensorSpec, as_tuple, call
+from chimera.optim import OPTIMIZERS, build_optimizer
+from chimera.profile.format import (
+    CommProfile,
+    LayerCost,
+    LayerProfile,
+    Profile,
+    ProfileError,
+    Timing,
+    fingerprint,
+)
+
+BACKWARDS = {"backward_input": (True, False), "backward_weight": (False, True), "backward": (True, True)}
+
+
+def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device: str = "cpu", reps: int = 5,
+                  warmup: int = 2, seed: int = 0, threads: int | None = None, comm: CommProfile | None = None,
+                  amp: bool | None = None, probe_memory: bool = True) -> Profile:
+    """Profile every layer of ``chain`` at every micro-batch size (module docstring).
+
+    ``amp`` (default: on CUDA) runs forwards under bf16 autocast, as the runtime does with ``amp``. On CUDA the
+    largest micro-batch size whose whole-chain forward+backward fits is probed first, each size in a fresh
+    process (``probe_memory=False`` skips it); on CPU it is not probed.
+    """
+    if not micro_batch_sizes or any(not isinstance(b, int) or b < 1 for b in micro_batch_sizes):
+        raise ProfileError(f"micro-batch sizes must be integers >= 1, got {list(micro_batch_sizes)}")
+    sizes = sorted(set(micro_batch_sizes))
+    if reps < 1 or warmup < 0 or (threads is not None and threads < 1):
+        raise ProfileError(f"need reps >= 1, warmup >= 0 and threads >= 1, got {reps}, {warmup}, {threads}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ProfileError("--device cuda, but torch sees no GPU here; profile on the machine that will train")
+    amp = dev.type == "cuda" if amp is None else amp
+    notes: list[str] = []
+    max_mbs = memory = None
+    if dev.type == "cuda" and probe_memory:
+        from chimera.profile.memory import probe_max_micro_batch_size
+
+        probe = probe_max_micro_batch_size(chain, sizes[-1], device=str(dev), seed=seed, amp=amp)
+        max_mbs, memory = probe.max_micro_batch_size, probe.device_memory_bytes
+        notes.append(f"max micro-batch size probed (whole chain forward+backward, no optimizer state): "
+                     f"{', '.join(f'{b}: {fits}' for b, fits, _ in probe.probes)}")
+    else:
+        notes.append(f"max_micro_batch_size not probed on {dev.type}")
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        used_threads = torch.get_num_threads()
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            layers = _profile_layers(chain, sizes, dev, amp, reps, warmup, seed, notes)
+    finally:
+        torch.set_num_threads(old_threads)
+    dtype = "bfloat16-autocast" if amp and dev.type == "cuda" else _param_dtype(chain)
+    if dev.type == "cuda":
+        notes.append(f"device: {torch.cuda.get_device_name(dev)}")
+    return Profile(model=chain.name, fingerprint=fingerprint(chain), device=dev.type, dtype=dtype,
+                   versions=current_versions(dev.type), threads=used_threads, micro_batch_sizes=sizes, layers=layers,
+                   max_micro_batch_size=max_mbs, device_memory_bytes=memory, comm=comm,
+                   created=datetime.now(timezone.utc).isoformat(timespec="seconds"), notes=notes)
+
+
+def current_versions(device: str = "cpu") -> dict[str, str]:
+    """The library versions a profile depends on (transformers only when it is imported)."""
+    out = {"torch": torch.__version__, "chimera": chimera.__version__, "python": platform.python_version()}
+    if "transformers" in sys.modules:
+        out["transformers"] = sys.modules["transformers"].__version__
+    if device == "cuda" and torch.version.cuda:
+        out["cuda"] = torch.version.cuda
+    return out
+
+
+def _profile_layers(chain: LayerChain, sizes: list[int], dev: torch.device, amp: bool, reps: int, warmup: int,
+                    seed: int, notes: list[str]) -> list[LayerProfile]:
+    batches = {b: map_tensors(lambda t: t.to(dev), repeated(chain.example, b)) for b in sizes}
+    xs = {b: batches[b][0] for b in sizes}
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp and dev.type == "cuda" else nullcontext
+    out = []
+    for i in range(chain.num_layers):
+        layer = chain.build_layers([i], seed, dev)[0]
+        last = i == chain.num_layers - 1
+        costs = {}
+        for b in sizes:
+            run = LayerRun(layer, xs[b], chain.boundaries(b)[i] if i else None, autocast, dev,
+                           (chain.loss, batches[b][1]) if last else None)
+            out_specs = None if last else chain.boundaries(b)[i + 1]
+            costs[b] = run.cost(reps, warmup, out_specs)
+            if out_specs is not None:
+                xs[b] = run.next_input(out_specs)
+        empty = [k for k in BACKWARDS if getattr(costs[sizes[0]], k).reps == 0]
+        if empty:
+            notes.append(f"layer {i}: nothing to differentiate for {', '.join(empty)} (timing 0, reps 0)")
+        params = list(layer.parameters())
+        out.append(LayerProfile(i, type(layer).__name__, sum(p.numel() for p in params),
+                                sum(_nbytes(p) for p in params), optimizer_bytes(layer), costs))
+        del layer
+    return out
+
+
+class LayerRun:
+    """One layer at one micro-batch size: its captured input (detached) and how to time it.
+
+    ``specs`` are the input's boundary specs (None for layer 0, which reads the micro-batch's inputs and has no
+    input gradient); ``loss`` is ``(loss_fn, labels)`` for the last layer, whose forward includes the loss.
+    """
+
+    def __init__(self, layer: nn.Module, x: Any, specs: list[TensorSpec] | None,
+                 autocast: Callable[[], AbstractContextManager[Any]], device: torch.device,
+                 loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None = None) -> None:
+        self.layer, self.x, self.specs, self.autocast, self.device, self.loss = layer, x, specs, autocast, device, loss
+        self.params = [p for p in layer.parameters() if p.requires_grad]
+        self._grad_out: list[torch.Tensor] | None = None
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def leaves(self) -> tuple[Any, list[torch.Tensor]]:
+        """A fresh alias of the input (leaves with grad where the spec asks) and those needing grad."""
+        if self.specs is None:
+            return self.x, []
+        x = tuple(t.detach().requires_grad_(s.requires_grad and t.is_floating_point()) for t, s in zip(self.x, self.specs))
+        return x, [t for t in x if t.requires_grad]
+
+    def forward(self, x: Any) -> Any:
+        with self.autocast():
+            out = call(self.layer, x)
+            return self.loss[0](out, self.loss[1]) if self.loss is not None else out
+
+    def _outputs(self, out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The tensors a backward starts from and their gradients (random, fixed per run; none for the loss)."""
+        if self.loss is not None:
+            return [out], None
+        outs = [t for t in as_tuple(out) if t.requires_grad]
+        if self._grad_out is None:
+            gen = torch.Generator().manual_seed(len(outs))
+            self._grad_out = [torch.randn(t.shape, generator=gen).to(self.device, t.dtype) for t in outs]
+        return outs, self._grad_out
+
+    def time_forward(self) -> float:
+        x, _ = self.leaves()
+        self.sync()
+        t0 = time.perf_counter()
+        self.forward(x)
+        self.sync()
+        return time.perf_counter() - t0
+
+    def time_recompute(self) -> float:
+        """A recomputing backward's forward: under the RNG state the first forward ran with, with grad."""
+        x, _ = self.leaves()
+        cuda = self.device.type == "cuda"
+        state = torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None
+        self.sync()
+        t0 = time.perf_counter()
+        with torch.random.fork_rng(devices=[self.device] if cuda else []):
+            torch.set_rng_state(state[0])
+            if state[1] is not None:
+                torch.cuda.set_rng_state(state[1], self.device)
+            self.forward(x)
+        self.sync()
+        return time.perf_counter() - t0
+
+    def targets(self, inputs: list[torch.Tensor], wrt_input: bool, wrt_weight: bool) -> list[torch.Tensor]:
+        return (inputs if wrt_input else []) + (self.params if wrt_weight else [])
+
+    def time_backward(self, wrt_input: bool, wrt_weight: bool) -> float:
+        """A fresh forward (not timed), then the gradients w.r.t. the inputs and/or the parameters (timed)."""
+        x, inputs = self.leaves()
+        outs, grads = self._outputs(self.forward(x))
+        targets = self.targets(inputs, wrt_input, wrt_weight)
+        self.sync()
+        t0 = time.perf_counter()
+        torch.autograd.grad(outs, targets, grads, allow_unused=True)
+        self.sync()
+        return time.perf_counter() - t0
+
+    def stash_bytes(self) -> int:
+        """Bytes of the unique storages the autograd graph saves during the forward, parameters excluded."""
+        params = {p.untyped_storage().data_ptr() for p in self.layer.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            try:
+                s = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
+                return t
+            if s.data_ptr() not in params and s.nbytes():
+                saved[s.data_ptr()] = max(saved.get(s.data_ptr(), 0), s.nbytes())
+            return t
+
+        x, _ = self.leaves()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            self.forward(x)
+        return sum(saved.values())
+
+    def cost(self, reps: int, warmup: int, out_specs: list[TensorSpec] | None = None) -> LayerCost:
+        """Every timing, the stash and the input/output bytes (``out_specs``: the output's boundary specs; None
+        for the last layer, whose output bytes are those of what the loss reads)."""
+        x, inputs = self.leaves()
+        has_outs = bool(self._outputs(self.forward(x))[0])
+        timings = {"forward": measure(self.time_forward, reps, warmup),
+                   "recompute": measure(self.time_recompute, reps, warmup)}
+        for name, (wi, ww) in BACKWARDS.items():
+            if has_outs and self.targets(inputs, wi, ww):
+                timings[name] = measure(lambda wi=wi, ww=ww: self.time_backward(wi, ww), reps, warmup)
+            else:
+                timings[name] = Timing(0.0, 0.0, 0)
+        if out_specs is not None:
+            out_bytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in out_specs)
+        else:
+            with torch.no_grad(), self.autocast():
+                out_bytes = sum(_nbytes(t) for t in tensors(call(self.layer, self.x)))
+        return LayerCost(**timings, stash_bytes=self.stash_bytes(),
+                         input_bytes=sum(_nbytes(t) for t in tensors(self.x)), output_bytes=out_bytes)
+
+    def next_input(self, specs: list[TensorSpec]) -> tuple[torch.Tensor, ...]:
+        """The output (no graph), cast to the dtypes of the boundary specs, as a stage would send it."""
+        with torch.no_grad(), self.autocast():
+            out = as_tuple(call(self.layer, self.x))
+        return tuple(t.detach().to(s.dtype) for t, s in zip(out, specs))
+
+
+def measure(fn: Callable[[], float], reps: int, warmup: int) -> Timing:
+    """Run ``fn`` ``warmup`` times (discarded), then ``reps`` times: median and 75th-25th percentile spread."""
+    for _ in range(warmup):
+        fn()
+    samples = np.array([fn() for _ in range(reps)])
+    q25, q50, q75 = np.percentile(samples, [25, 50, 75])
+    return Timing(float(q50), float(q75 - q25), reps)
+
+
+def optimizer_bytes(layer: nn.Module) -> dict[str, int]:
+    """State bytes of every optimizer in ``OPTIMIZERS`` after one step on a copy of ``layer``'s parameters."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    out = {}
+    for name in OPTIMIZERS:
+        if not params:
+            out[name] = 0
+            continue
+        copies = [p.detach().clone().requires_grad_(True) for p in params]
+        for c in copies:
+            c.grad = torch.zeros_like(c)
+        opt = build_optimizer(copies, name)
+        opt.step()
+        out[name] = sum(_nbytes(t) for t in tensors(list(opt.state.values())))
+        del opt, copies
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _param_dtype(chain: LayerChain) -> str:
+    dtypes = {p.dtype for p in chain.build_layers([0], 0, "meta")[0].parameters() if p.is_floating_point()}
+    return str(dtypes.pop() if len(dtypes) == 1 else torch.get_default_dtype()).removeprefix("torch.")

@@ -1,0 +1,207 @@
+"""The profiler: per-layer timings and bytes on real inputs, optimizer state, the file round trip and its checks,
+a user chain, the memory probe's process isolation, the CLI, and the local and Ray communication probes."""
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from chimera.cli import main
+from chimera.models import LayerChain, build_model
+from chimera.optim import OPTIMIZERS
+from chimera.profile import Profile, ProfileError, Timing, fingerprint
+from chimera.profile.comm import measure_comm_local
+from chimera.profile.layers import current_versions, profile_chain
+from chimera.profile.memory import largest_fitting, probe_max_micro_batch_size
+from tests.conftest import alive_actors
+
+TIMINGS = ("forward", "backward_input", "backward_weight", "backward", "recompute")
+SMALL = (1024, 65536, 1 << 20)  # message sizes of the fast communication probes
+
+
+@pytest.fixture(scope="module")
+def bert():
+    chain = build_model("bert-tiny", seq_len=16)
+    return chain, profile_chain(chain, [1, 2], reps=2, warmup=1)
+
+
+def test_every_timing_is_positive_where_there_is_something_to_compute(bert):
+    _, prof = bert
+    for layer in prof.layers:
+        for c in layer.costs.values():
+            for name in TIMINGS:
+                t = getattr(c, name)
+                if layer.index == 0 and name == "backward_input":
+                    assert t == Timing(0.0, 0.0, 0)  # token ids have no gradient
+                else:
+                    assert t.median_s > 0 and t.spread_s >= 0 and t.reps == 2, (layer.index, name)
+    assert any(n.startswith("layer 0: nothing to differentiate for backward_input") for n in prof.notes)
+
+
+def test_bytes_grow_with_the_micro_batch_and_chain_up(bert):
+    chain, prof = bert
+    assert [layer.kind for layer in prof.layers] == ["BertEmbeddingLayer", "BertBlockLayer", "BertBlockLayer",
+                                                     "BertHeadLayer"]
+    for layer in prof.layers[1:-1]:
+        small, large = layer.costs[1], layer.costs[2]
+        for field in ("stash_bytes", "input_bytes", "output_bytes"):
+            assert getattr(large, field) > getattr(small, field), field
+        assert small.stash_bytes > small.input_bytes and large.stash_bytes > large.input_bytes
+    for b in (1, 2):
+        for i in range(len(prof.layers) - 1):
+            assert prof.layers[i].costs[b].output_bytes == prof.layers[i + 1].costs[b].input_bytes
+    # a block's output: hidden [2, 16, 128] float32 and the padding mask [2, 16] int64
+    assert prof.layers[1].costs[2].output_bytes == 2 * 16 * 128 * 4 + 2 * 16 * 8
+    # the head's output: MLM logits [1, 16, 8192] and NSP logits [1, 2], float32
+    assert prof.layers[-1].costs[1].output_bytes == (16 * 8192 + 2) * 4
+
+
+def test_parameters_and_optimizer_state(bert):
+    chain, prof = bert
+    assert [layer.params for layer in prof.layers] == chain.layer_num_params()
+    for layer in prof.layers:
+        assert layer.param_bytes == 4 * layer.params
+        assert set(layer.optimizer_bytes) == set(OPTIMIZERS)
+        assert layer.optimizer_bytes["sgd"] == 0  # no momentum
+        assert layer.optimizer_bytes["adamw"] == pytest.approx(2 * layer.param_bytes, rel=1e-3)
+        assert layer.optimizer_bytes["lamb"] >= 2 * layer.param_bytes
+
+
+def test_metadata(bert):
+    chain, prof = bert
+    assert (prof.model, prof.fingerprint, prof.device, prof.dtype) == ("bert-tiny", fingerprint(chain), "cpu", "float32")
+    assert prof.micro_batch_sizes == [1, 2] and prof.threads == torch.get_num_threads()
+    assert prof.versions["torch"] == torch.__version__ and "transformers" in prof.versions
+    assert prof.max_micro_batch_size is None and "max_micro_batch_size not probed on cpu" in prof.notes
+    assert prof.created and prof.comm is None
+
+
+def test_json_round_trip_and_checks(bert, tmp_path):
+    chain, prof = bert
+    loaded = Profile.load(prof.save(tmp_path / "bert-tiny.profile.json"))
+    assert loaded == prof
+    assert loaded.check(chain, device="cpu", versions=current_versions()) is loaded
+    with pytest.raises(ProfileError, match="other layers"):
+        loaded.check(build_model("bert-tiny", seq_len=32))
+    with pytest.raises(ProfileError, match="other layers"):
+        loaded.check(build_model("gpt2-tiny"))
+    with pytest.raises(ProfileError, match="taken on cpu, not cuda"):
+        loaded.check(chain, device="cuda")
+    with pytest.raises(ProfileError, match=r"torch \S+ -> 0\.0"):
+        loaded.check(chain, versions={"torch": "0.0"})
+
+
+def images() -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    return x, (x.mean(dim=(1, 2, 3)) > 0).long()
+
+
+def test_a_user_chain_profiles_too():
+    chain = LayerChain([lambda: nn.Conv2d(3, 8, 3, padding=1), nn.ReLU, lambda: nn.Sequential(nn.Flatten(), nn.Linear(512, 2))],
+                       loss=nn.functional.cross_entropy, example=images(), name="cnn")
+    before = torch.get_num_threads()
+    prof = profile_chain(chain, [3, 1], reps=1, warmup=0, threads=1)
+    assert prof.threads == 1 and torch.get_num_threads() == before
+    assert prof.micro_batch_sizes == [1, 3] and [layer.kind for layer in prof.layers] == ["Conv2d", "ReLU", "Sequential"]
+    conv, relu, head = prof.layers
+    assert conv.costs[3].input_bytes == 3 * 3 * 8 * 8 * 4 and conv.costs[3].output_bytes == 3 * 8 * 8 * 8 * 4
+    assert relu.params == 0 and relu.optimizer_bytes == dict.fromkeys(OPTIMIZERS, 0)
+    assert relu.costs[3].backward_weight.reps == 0 and relu.costs[3].backward_input.median_s > 0
+    assert head.costs[3].backward.median_s > 0 and head.costs[3].stash_bytes > 0
+
+
+class Budget(nn.Module):
+    """A stand-in for a device's memory limit: the forward runs out of memory above 12 samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 12:
+            raise torch.OutOfMemoryError("stand-in: out of memory")
+        return self.lin(x)
+
+
+class Broken(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a bug, not a full device")
+
+
+def _chain(last: type) -> LayerChain:
+    return LayerChain([lambda: nn.Linear(4, 4), last], nn.functional.cross_entropy,
+                      (torch.randn(2, 4), torch.tensor([0, 1])), name=last.__name__)
+
+
+def test_memory_probe_runs_every_size_in_a_fresh_process():
+    probe = probe_max_micro_batch_size(_chain(Budget), 8, device="cpu")
+    assert probe.max_micro_batch_size == 12 and probe.device_memory_bytes is None
+    assert [(b, fits) for b, fits, _ in probe.probes] == [(8, True), (16, False), (12, True), (14, False)]
+    pids = [pid for _, _, pid in probe.probes]
+    assert len(set(pids)) == len(pids) and os.getpid() not in pids
+    with pytest.raises(ProfileError, match="a bug, not a full device"):
+        probe_max_micro_batch_size(_chain(Broken), 8, device="cpu")
+
+
+def test_largest_fitting_doubles_halves_and_refines():
+    assert largest_fitting(lambda b: b <= 100, 8, refine=10) == 100
+    assert largest_fitting(lambda b: b <= 3, 8, refine=3) == 3
+    assert largest_fitting(lambda b: True, 8, limit=64) == 64
+    assert largest_fitting(lambda b: False, 8) is None
+
+
+def test_cli_writes_a_loadable_profile(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    code = main(["profile", "--model", "bert-tiny", "--seq-len", "8", "--micro-batch-sizes", "2,1", "--reps", "1",
+                 "--warmup", "0", "--threads", "1", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and text.strip().endswith(str(out))
+    assert "BertBlockLayer" in text and "stash KiB" in text
+    prof = Profile.load(out)
+    assert prof.micro_batch_sizes == [1, 2] and prof.threads == 1
+    prof.check(build_model("bert-tiny", seq_len=8), device="cpu")
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--model", "bert-huge"], "unknown model 'bert-huge'"),
+    (["--model", "bert-tiny", "--micro-batch-sizes", "2,0"], "micro-batch sizes must be >= 1"),
+    (["--model", "bert-tiny", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--model", "bert-tiny", "--seq-len", "4096"], "seq_len=4096 does not fit bert-tiny"),
+    (["--model", "bert-tiny", "--reps", "0"], "need --reps >= 1"),
+])
+def test_cli_refuses_bad_input_with_exit_2(argv, msg, tmp_path, capsys):
+    assert main(["profile", *argv, "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+def test_cli_refuses_a_missing_gpu(capsys):
+    assert main(["profile", "--model", "bert-tiny", "--device", "cuda"]) == 2
+    assert "torch sees no GPU" in capsys.readouterr().err
+
+
+def test_local_comm_probe():
+    comm = measure_comm_local(world=2, sizes=SMALL, reps=2)
+    assert comm.backend == "gloo" and comm.where == "local gloo, 2 processes"
+    assert comm.p2p.latency_s > 0 and comm.p2p.bandwidth_Bps > 0
+    assert list(comm.allreduce) == [2]
+    assert comm.allreduce[2].latency_s > 0 and comm.allreduce[2].bandwidth_Bps > 0
+
+
+@pytest.mark.ray
+def test_ray_comm_probe_between_workers_on_two_nodes(ray_session):
+    from ray_launch.commprobe import measure_comm_ray
+    from ray_launch.config import LaunchConfig
+
+    comm = measure_comm_ray(2, "cpu", LaunchConfig(placement="spread"), sizes=SMALL, reps=2, timeout_s=60)
+    assert comm.backend == "gloo" and comm.where.startswith("ray: 2 nodes, 2 workers (spread): ")
+    assert "worker 0 on 127.0.0.1 [" in comm.where and "worker 1 on 127.0.0.1 [" in comm.where
+    assert comm.p2p.latency_s > 0 and comm.p2p.bandwidth_Bps > 0 and comm.allreduce[2].bandwidth_Bps > 0
+    deadline = time.monotonic() + 20
+    while "WorkerActor" in alive_actors(ray_session) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "WorkerActor" not in alive_actors(ray_session)
