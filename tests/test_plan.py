@@ -121,3 +121,24 @@ def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
     with pytest.raises(ValueError, match="80GiB"):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize("model", ["bert-tiny", "gpt2-tiny"])
+def test_memory_model_matches_what_the_runtime_holds(model):
+    """The memory model, from a real profile, against the runtime's own ledger (--profile-memory): the peak bytes
+    each worker held in a step, parameters, gradients, optimizer state, stash, messages and gradient sums."""
+    from chimera.config import TrainConfig
+    from chimera.profile.layers import profile_chain
+    from chimera.runtime import run_local
+
+    base = TrainConfig.from_flags(model=model, micro_batch_size=2, seq_len=16, steps=2, optimizer="adamw",
+                                  corpus="synthetic", memory=True, partition="uniform")
+    prof = profile_chain(base.preset_chain(), [1, 2], reps=1, warmup=0, threads=1)
+    for sched, d, n, mode, recompute in [("gpipe", 2, 4, "direct", False), ("chimera", 2, 4, "direct", False),
+                                         ("chimera", 4, 8, "doubling", True), ("1f1b", 4, 8, "direct", True),
+                                         ("chimera", 2, 4, "halving", False)]:
+        job = base.with_flags(schedule=sched, stages=d, micro_batches=n, mode=mode, recompute=recompute).check()
+        measured = run_local(job).metrics[-1]["memory_peak_bytes"]
+        modelled = worker_memory(prof, job.schedule, job.stage_layers, job.unit_size, "adamw", recompute)
+        for w, (m, mm) in enumerate(zip(measured, modelled)):
+            assert abs(mm.total / m["total"] - 1) <= 0.15, (sched, d, mode, w, m, mm)

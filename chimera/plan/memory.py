@@ -45,6 +45,7 @@ class WorkerMemory:
 @dataclass(frozen=True)
 class _Stage:
     params: int
+    bucket: int  # the gradients summed by the stage's buckets: parameters tied to another stage are summed apart
     optimizer: int
     stash: int  # one unit, as kept until the backward
     full_stash: int  # one unit without recomputation
@@ -60,9 +61,19 @@ def _stages(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, 
         costs = [profile.cost(i, unit) for i in layers]
         full = sum(c.stash_bytes for c in costs) + costs[0].input_bytes
         kept = costs[0].input_bytes if recompute and s < last else full
-        out.append(_Stage(sum(profile.layers[i].param_bytes for i in layers),
-                          sum(profile.layers[i].optimizer_bytes.get(optimizer, 0) for i in layers),
-                          kept, full, costs[0].input_bytes if s > 0 else 0, costs[-1].output_bytes if s < last else 0))
+        params = sum(profile.layers[i].param_bytes for i in layers)
+        opt = sum(profile.layers[i].optimizer_bytes.get(optimizer, 0) for i in layers)
+        apart = within = opt_within = 0
+        for i in layers:
+            lp = profile.layers[i]
+            for j, nbytes in lp.tied.items():
+                if j not in layers:
+                    apart += nbytes
+                elif j < i:  # both ends here: one parameter, listed in both layers' counts
+                    within += nbytes
+                    opt_within += lp.optimizer_bytes.get(optimizer, 0) * nbytes // max(1, lp.param_bytes)
+        out.append(_Stage(params - within, params - within - apart, opt - opt_within, kept, full,
+                          costs[0].input_bytes if s > 0 else 0, costs[-1].output_bytes if s < last else 0))
     return out
 
 
@@ -82,7 +93,7 @@ def _worker(schedule: Schedule, w: int, stages: list[_Stage], recompute: bool, e
     params = sum(stages[s].params for _, s in held)
     opt = sum(stages[s].optimizer for _, s in held)
     synced = [s for _, s in held if len(schedule.stage_group(s)) > 1]
-    preposted = sum(stages[s].params for s in synced if exchange and len(schedule.stage_group(s)) == 2)
+    preposted = sum(stages[s].bucket for s in synced if exchange and len(schedule.stage_group(s)) == 2)
     grads_of: set[tuple[str, int]] = set()
     flats = 0
     live = peak_total = 0
@@ -102,7 +113,7 @@ def _worker(schedule: Schedule, w: int, stages: list[_Stage], recompute: bool, e
             msgs = a.count * (st.msg_in + st.msg_out)  # the output gradient in, the input gradient out
         elif a.kind is Kind.ALLREDUCE_START:
             assert st is not None
-            flats += st.params
+            flats += st.bucket
         grads = sum(stages[s].params for _, s in grads_of)
         act = live + transient
         total = params + opt + grads + act + msgs + preposted + flats

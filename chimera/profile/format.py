@@ -70,6 +70,7 @@ class LayerProfile:
     param_bytes: int
     optimizer_bytes: dict[str, int]  # optimizer name -> state bytes it keeps for this layer
     costs: dict[int, LayerCost]  # micro-batch size -> cost
+    tied: dict[int, int] = field(default_factory=dict)  # other layer -> bytes of the parameter they share
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class Profile:
         d = asdict(self)
         for layer in d["layers"]:
             layer["costs"] = {str(k): v for k, v in layer["costs"].items()}
+            layer["tied"] = {str(k): v for k, v in layer["tied"].items()}
         if d["comm"] is not None:
             d["comm"]["allreduce"] = {str(k): v for k, v in d["comm"]["allreduce"].items()}
         return d
@@ -157,7 +159,8 @@ class Profile:
                                "chimera reads; take the profile again with chimera profile")
         try:
             layers = [LayerProfile(x["index"], x["kind"], x["params"], x["param_bytes"], dict(x["optimizer_bytes"]),
-                                   {int(k): _layer_cost(v) for k, v in x["costs"].items()}) for x in d["layers"]]
+                                   {int(k): _layer_cost(v) for k, v in x["costs"].items()},
+                                   {int(k): v for k, v in x.get("tied", {}).items()}) for x in d["layers"]]
             comm = d.get("comm")
             if comm is not None:
                 comm = CommProfile(Link(**comm["p2p"]), {int(k): Link(**v) for k, v in comm["allreduce"].items()},

@@ -125,8 +125,12 @@ def _profile_layers(chain: LayerChain, sizes: list[int], dev: torch.device, amp:
         if empty:
             notes.append(f"layer {i}: nothing to differentiate for {', '.join(empty)} (timing 0, reps 0)")
         params = list(layer.parameters())
+        tied = {}  # the other end of every tied pair this layer holds -> the shared parameter's bytes
+        for (k, name_k), (j, name_j) in chain.tied_parameters():
+            if i in (k, j):
+                tied[j if i == k else k] = _nbytes(layer.get_parameter(name_k if i == k else name_j))
         out.append(LayerProfile(i, type(layer).__name__, sum(p.numel() for p in params),
-                                sum(_nbytes(p) for p in params), optimizer_bytes(layer), costs))
+                                sum(_nbytes(p) for p in params), optimizer_bytes(layer), costs, tied))
         del layer
     return out
 
