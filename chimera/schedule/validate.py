@@ -7,7 +7,7 @@ Checks, in order:
 3. (lowered) every send has exactly one matching receive on the right peer, and on every channel
    (sender, receiver, pipe) the sends and the receives come in the same order (NCCL matches p2p
    messages in posting order);
-4. the lists run to completion with :func:`chimera.schedule.replay.replay` (a compute-only schedule is
+4. the lists run to completion with :class:`chimera.schedule.replay.Plan` (a compute-only schedule is
    lowered first): blocking receives, non-blocking sends, allreduce waits that need every replica.
 
 A failure raises :class:`ScheduleError`, whose message holds the step x worker grid with the offending
@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 
 from chimera.schedule.ir import Action, Kind, Schedule
 from chimera.schedule.kinds import SPECS, Address
-from chimera.schedule.replay import message_key, replay
+from chimera.schedule.replay import Plan, message_key
 
 
 class ScheduleError(ValueError):
@@ -144,11 +144,10 @@ def validate(schedule: Schedule) -> Schedule:
     else:
         run = lower(schedule)
         _check_channels(run)
-    zero = lambda *_: 0  # noqa: E731
-    result = replay(run, zero, zero, zero)
-    if result.stuck:
-        marks = {w: i for w, (i, _) in result.stuck.items()}
-        why = "; ".join(f"worker {w} at step {i}: {r}" for w, (i, r) in sorted(result.stuck.items()))
+    stuck = Plan(run).stuck
+    if stuck:
+        marks = {w: i for w, (i, _) in stuck.items()}
+        why = "; ".join(f"worker {w} at step {i}: {r}" for w, (i, r) in sorted(stuck.items()))
         prefix = "" if run is schedule else "(after lowering) "
         raise ScheduleError(f"invalid {schedule.name} schedule: {prefix}deadlock: {why}\n{format_grid(run, marks)}")
     return schedule
