@@ -110,11 +110,26 @@ class Plan:
         return f"{a.text()} needs the {res.value} of stage {st} micro-batch {m} (made on worker {src})"
 
 
+class _Track:
+    """One resource (or message) of one pipe and stage: its maker per micro-batch, and who waits for which."""
+
+    __slots__ = ("key", "made", "waiting")
+
+    def __init__(self, key: Key) -> None:
+        self.key = key
+        self.made: dict[int, Any] = {}
+        self.waiting: dict[int, list[int]] = {}
+
+
+Deps = tuple[tuple[int, int], ...]
+_FREE: tuple[Deps, int] = ((), 0)
+
+
 class _Build:
     """The replay without times behind :class:`Plan`; one method per role of the kinds table.
 
-    A role's method returns what the action waits for, as ``(flat index, delay slot)`` pairs, or None
-    when it has to wait (the worker is woken when the key it blocks on is done).
+    A role's method returns what the action waits for, as ``(flat index, delay slot)`` pairs, and its
+    duration slot; or None when it has to wait (the worker is woken when what it blocks on is made).
     """
 
     def __init__(self, schedule: Schedule) -> None:
@@ -128,8 +143,7 @@ class _Build:
         nw = len(self.rows)
         self.pc = [0] * nw
         self.last = [self.bounds[-1]] * nw  # flat index of each worker's last action run (none: the sentinel)
-        self.done: dict[Key, Any] = {}  # resource / message -> flat index of its maker; allreduce -> its starts
-        self.waiting: dict[Key, list[int]] = {}
+        self.tracks: dict[Key, _Track] = {}
         self.blocked: dict[int, Key] = {}
         self.joins: dict[int, list[int]] = {}
         self.replicas: dict[int, int] = {}
@@ -138,7 +152,7 @@ class _Build:
         self.stack = list(range(nw - 1, -1, -1))
         self.order: list[int] = []
         self.prev: list[int] = []
-        self.deps: list[tuple[tuple[int, int], ...]] = []
+        self.deps: list[Deps] = []
         self.slot: list[int] = []
         self.waits: list[tuple[int, int]] = []
         self.compute: list[list[int]] = [[] for _ in range(nw)]
@@ -147,18 +161,18 @@ class _Build:
         self.durations: list[Action] = []
         self.duration_slot: dict[tuple[Any, int, int], int] = {}
         self.synced: set[int] = set()
+        self.templates: dict[Key, Any] = {}  # per kind, pipe, stage (count, worker): what its actions touch
         self._kinds()
 
     def _kinds(self) -> None:
         """Per kind, from the table: its role's method, what it consumes, what it makes that others await."""
-        by_role: dict[Role, Callable[[int, int, Action], tuple[tuple[int, int], ...] | None]] = {
+        by_role: dict[Role, Callable[[int, int, Action], tuple[Deps, int] | None]] = {
             Role.COMPUTE: self._compute, Role.SEND: self._send, Role.RECV: self._recv,
             Role.SYNC_START: self._sync_start, Role.SYNC_WAIT: self._sync_wait, Role.UPDATE: self._update}
         unknown = {spec.role for spec in SPECS.values()} - set(by_role)
         if unknown:
             raise ValueError(f"replay has no rule for the role(s) {sorted(map(str, unknown))} of the kinds table")
         self.handler = {kind: by_role[spec.role] for kind, spec in SPECS.items()}
-        self.timed = {kind: spec.role in (Role.COMPUTE, Role.UPDATE) for kind, spec in SPECS.items()}
         self.blocking = {kind: spec.role in (Role.RECV, Role.SYNC_WAIT) for kind, spec in SPECS.items()}
         self.uses = {kind: tuple((u.res, u.offset) for u in spec.consumes) for kind, spec in SPECS.items()}
         # what a compute action makes that another compute action waits for (weight gradients wait for nobody)
@@ -166,21 +180,21 @@ class _Build:
         self.made = {kind: tuple(r for r in spec.produces if r in awaited) for kind, spec in SPECS.items()}
 
     def run(self) -> None:
-        handler, timed, blocking = self.handler, self.timed, self.blocking
-        order, prev, deps_of, slot, waits = self.order, self.prev, self.deps, self.slot, self.waits
+        handler, blocking = self.handler, self.blocking
+        order, prev, deps_of, slot_of, waits = self.order, self.prev, self.deps, self.slot, self.waits
         while self.stack:
             w = self.stack.pop()
             row, base, last, i = self.rows[w], self.bounds[w], self.last[w], self.pc[w]
             while i < len(row):
                 a = row[i]
                 k = base + i
-                deps = handler[a.kind](w, k, a)
-                if deps is None:
-                    break  # blocked; woken when what it waits for is done
+                ran = handler[a.kind](w, k, a)
+                if ran is None:
+                    break  # blocked; woken when what it waits for is made
                 order.append(k)
                 prev.append(last)
-                deps_of.append(deps)
-                slot.append(self._duration(a) if timed[a.kind] else 0)
+                deps_of.append(ran[0])
+                slot_of.append(ran[1])
                 if blocking[a.kind]:
                     waits.append((k, last))
                 last = k
@@ -189,14 +203,20 @@ class _Build:
                 self.blocked.pop(w, None)
             self.pc[w], self.last[w] = i, last
 
-    def _finish(self, key: Key, made_by: Any) -> None:
-        self.done[key] = made_by
-        if key in self.waiting:
-            self.stack.extend(self.waiting.pop(key))
+    def _track(self, *key: Any) -> _Track:
+        t = self.tracks.get(key)
+        if t is None:
+            t = self.tracks[key] = _Track(key)
+        return t
 
-    def _block(self, w: int, key: Key) -> None:
-        self.waiting.setdefault(key, []).append(w)
-        self.blocked[w] = key
+    def _finish(self, track: _Track, m: int, made_by: Any) -> None:
+        track.made[m] = made_by
+        if track.waiting and m in track.waiting:
+            self.stack.extend(track.waiting.pop(m))
+
+    def _block(self, w: int, track: _Track, m: int) -> None:
+        track.waiting.setdefault(m, []).append(w)
+        self.blocked[w] = (*track.key, m)
 
     def _duration(self, a: Action) -> int:
         k = (a.kind, a.stage, a.count)
@@ -206,65 +226,84 @@ class _Build:
             slot = self.duration_slot[k] = len(self.durations)
         return slot
 
-    def _message(self, res: Res, pipe: str, stage: int, microbatch: int) -> int:
-        slot = self.message_slot.get((res, pipe, stage))
+    def _message(self, key: Msg) -> int:
+        slot = self.message_slot.get(key[:3])
         if slot is None:
-            self.messages.append(Msg(res, pipe, stage, microbatch))
-            slot = self.message_slot[(res, pipe, stage)] = self.stages + len(self.messages)
+            self.messages.append(key)
+            slot = self.message_slot[key[:3]] = self.stages + len(self.messages)
         return slot
 
-    def _compute(self, w: int, i: int, a: Action) -> tuple[tuple[int, int], ...] | None:
+    def _compute(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
+        template = self.templates.get((a.kind, a.pipe, a.stage, a.count, w))
+        if template is None:
+            template = self.templates[(a.kind, a.pipe, a.stage, a.count, w)] = self._compute_template(w, a)
+        needs, makes, slot = template
+        first, count = a.microbatch, a.count
         deps = []
-        pipe, stage, first, count = a.pipe, a.stage, a.microbatch, a.count
-        done = self.done
-        for res, offset in self.uses[a.kind]:
-            src = stage + offset
-            if src == stage:
-                delay = 0
-            elif not 0 <= src < self.stages:
-                continue  # from the data or the loss
-            elif self.place.get((pipe, src)) == w:
-                delay = 0
-            elif self.lowered:
-                continue  # arrives through a receive action
-            else:
-                delay = self._message(res, pipe, src, first)
-            for m in range(first, first + count):
-                made_by = done.get((res, pipe, src, m))
+        for track, delay in needs:
+            if count == 1:
+                made_by = track.made.get(first)
                 if made_by is None:
-                    return self._block(w, (res, pipe, src, m))
+                    return self._block(w, track, first)
+                deps.append((made_by, delay))
+                continue
+            for m in range(first, first + count):
+                made_by = track.made.get(m)
+                if made_by is None:
+                    return self._block(w, track, m)
                 deps.append((made_by, delay))
         self.compute[w].append(i)
-        for res in self.made[a.kind]:
+        for track in makes:
             for m in range(first, first + count):
-                self._finish((res, pipe, stage, m), i)
-        return tuple(deps)
+                self._finish(track, m, i)
+        return tuple(deps), slot
 
-    def _send(self, w: int, i: int, a: Action) -> tuple[tuple[int, int], ...]:
-        key, _ = message(a.kind, a.pipe, a.stage, a.microbatch)  # leaves now, arrives p2p() later
-        self._finish((_MSG, *key), (i, self._message(*key)))
-        return ()
+    def _compute_template(self, w: int, a: Action) -> tuple[tuple[tuple[_Track, int], ...], tuple[_Track, ...], int]:
+        """What compute actions of this kind, pipe, stage and count on worker ``w`` wait for (the resource's
+        track, the delay slot) and make; inputs from the data or the loss, or (lowered) from a receive, drop out."""
+        needs = []
+        for res, offset in self.uses[a.kind]:
+            src = a.stage + offset
+            if src == a.stage or (0 <= src < self.stages and self.place.get((a.pipe, src)) == w):
+                needs.append((self._track(res, a.pipe, src), 0))
+            elif 0 <= src < self.stages and not self.lowered:
+                needs.append((self._track(res, a.pipe, src), self._message(Msg(res, a.pipe, src, a.microbatch))))
+        makes = tuple(self._track(res, a.pipe, a.stage) for res in self.made[a.kind])
+        return tuple(needs), makes, self._duration(a)
 
-    def _recv(self, w: int, i: int, a: Action) -> tuple[tuple[int, int], ...] | None:
-        key, _ = message(a.kind, a.pipe, a.stage, a.microbatch)
-        sent = self.done.get((_MSG, *key))
+    def _message_template(self, a: Action) -> tuple[_Track, int]:
+        template = self.templates.get((a.kind, a.pipe, a.stage))
+        if template is None:
+            key, _ = message(a.kind, a.pipe, a.stage, a.microbatch)
+            template = self.templates[(a.kind, a.pipe, a.stage)] = (self._track(_MSG, *key[:3]), self._message(key))
+        return template
+
+    def _send(self, w: int, i: int, a: Action) -> tuple[Deps, int]:  # leaves now, arrives p2p() later
+        track, delay = self._message_template(a)
+        self._finish(track, a.microbatch, (i, delay))
+        return _FREE
+
+    def _recv(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
+        track, _ = self._message_template(a)
+        sent = track.made.get(a.microbatch)
         if sent is None:
-            return self._block(w, (_MSG, *key))
-        return (sent,)
+            return self._block(w, track, a.microbatch)
+        return (sent,), 0
 
-    def _sync_start(self, w: int, i: int, a: Action) -> tuple[tuple[int, int], ...]:
+    def _sync_start(self, w: int, i: int, a: Action) -> tuple[Deps, int]:
         started = self.joins.setdefault(a.stage, [])
         started.append(i)
         if len(started) == self.replicas.get(a.stage):
-            self._finish((_AR, a.stage), tuple(started))
-        return ()
+            self._finish(self._track(_AR), a.stage, tuple(started))
+        return _FREE
 
-    def _sync_wait(self, w: int, i: int, a: Action) -> tuple[tuple[int, int], ...] | None:
-        started = self.done.get((_AR, a.stage))
+    def _sync_wait(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
+        track = self._track(_AR)
+        started = track.made.get(a.stage)
         if started is None:
-            return self._block(w, (_AR, a.stage))
+            return self._block(w, track, a.stage)
         self.synced.add(a.stage)
-        return tuple((j, 1 + a.stage) for j in started)
+        return tuple((j, 1 + a.stage) for j in started), 0
 
-    def _update(self, w: int, i: int, a: Action) -> tuple[tuple[int, int], ...]:
-        return ()
+    def _update(self, w: int, i: int, a: Action) -> tuple[Deps, int]:
+        return (), self._duration(a)
