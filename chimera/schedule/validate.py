@@ -107,12 +107,13 @@ def _check_structure(s: Schedule) -> None:
 def _check_channels(s: Schedule) -> None:
     sends: dict[tuple[int, int, str], list[tuple[tuple, int]]] = defaultdict(list)
     recvs: dict[tuple[int, int, str], list[tuple[tuple, int]]] = defaultdict(list)
+    place = dict(s.placement)
     for w, row in enumerate(s.actions):
         for i, a in enumerate(row):
             if not a.kind.is_p2p:
                 continue
             try:
-                key, peer = message_key(a, dict(s.placement))
+                key, peer = message_key(a, place)
             except KeyError:
                 _fail(s, f"{a} has no peer stage (it is at the end of the {a.pipe} pipe)", {w: i})
             if a.kind.is_send:
