@@ -31,7 +31,7 @@ from chimera.schedule.kinds import SPECS, Msg, Res, Role, message
 
 Key = tuple[Any, ...]
 Num = Any  # int, float or Fraction
-_MSG, _AR = "msg", "AR"  # key tags: a message in flight, a stage's allreduce (resources are untagged 4-tuples)
+_MSG, _AR = "msg", "AR"  # track tags: messages in flight, allreduces (a resource's track is (res, pipe, stage))
 
 
 def message_key(a: Action, place: dict[tuple[str, int], int]) -> tuple[Msg, int]:
@@ -71,7 +71,7 @@ class Plan:
         """Workers that cannot finish: worker -> (index of the action it is stuck at, why)."""
         return {w: (i, self._reason(w, i, key)) for w, (i, key) in self._stuck.items()}
 
-    def times(self, duration: Sequence[Num], delay: Sequence[Num], zero: Num = 0) -> tuple[list[Num], list[Num]]:
+    def times(self, duration: Sequence[Num], delay: Sequence[Num]) -> tuple[list[Num], list[Num]]:
         """Start and end of every action (flat indices), given each duration slot's and delay slot's value.
 
         A compute or update action starts when the worker is free and what it waits for is there (plus the
@@ -80,8 +80,8 @@ class Plan:
         """
         if self._stuck:
             raise ValueError("a stuck plan has no times")
-        end = [zero] * (self.size + 1)  # end[size] stays zero: the "previous action" of each first action
-        start = [zero] * self.size
+        end = [0] * (self.size + 1)  # end[size] stays 0: the "previous action" of each worker's first action
+        start = [0] * self.size
         for i, p, deps, d in zip(self.order, self.prev, self.deps, self.slot):
             t = end[p]
             for q, s in deps:
