@@ -224,7 +224,7 @@ class Simulator:
             bubble = 1 - total / (nw * makespan)
         if unit is not None and unit != 1:
             makespan, busy = Fraction(makespan, unit), [Fraction(b, unit) for b in busy]
-        return SimResult(self.schedule, makespan, busy, bubble, self._peaks, starts, ends, unit or 1)
+        return SimResult(self.schedule, makespan, busy, bubble, list(self._peaks), starts, ends, unit or 1)
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
