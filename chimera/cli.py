@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -68,12 +68,15 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lowered", action="store_true", help="include send/recv, allreduce and optimizer actions")
 
 
-def _schedule(args: argparse.Namespace) -> Schedule:
+def _schedule(args: argparse.Namespace, check: bool = True) -> Schedule:
+    """The schedule the flags ask for; ``check``: validate it (a generator's schedule is valid by construction,
+    and the simulator reports a deadlock itself, so simulate and plot skip it)."""
     if args.chunks < 1:
         raise ScheduleConfigError(f"--chunks (v) must be >= 1, got {args.chunks}")
     s = build_schedule(args.name, args.stages, args.micro_batches, chunks=args.chunks, mode=args.mode,
                        data_parallel=args.data_parallel, reverse_backward=args.reverse_backward)
-    validate(s)
+    if check:
+        validate(s)
     return lower(s) if args.lowered else s
 
 
@@ -94,7 +97,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    s = _schedule(args)
+    s = _schedule(args, check=False)
     r = simulate(s, _costs(args))
     d = r.as_dict()
     if args.json:
@@ -112,7 +115,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from chimera.timeline.events import events_from_simulation
     from chimera.timeline.plot import plot_timeline, save_figure
 
-    s = _schedule(args)
+    s = _schedule(args, check=False)
     r = simulate(s, _costs(args))
     title = (f"{s.name} D={s.stages} N={s.microbatches} (F={args.fwd}, B={args.bwd}): makespan {float(r.makespan):g}, "
              f"bubble {float(r.bubble):.1%}")
@@ -136,11 +139,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
-    from chimera.data.corpus import CorpusError, tokenized_dir
+    from chimera.data.corpus import FAMILIES, CorpusError, tokenized_dir
     from chimera.data.tokenizer import build_tokenizers
 
     try:
-        infos = build_tokenizers(args.corpus, args.family, vocab_size=args.vocab_size,
+        infos = build_tokenizers(args.corpus, args.family or FAMILIES, vocab_size=args.vocab_size,
                                  min_frequency=args.min_frequency, progress=not args.no_progress)
     except CorpusError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -152,10 +155,24 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Families:
+    """The model families ``--family`` accepts, looked up on first use: chimera.data imports torch, which
+    the schedule commands must not wait for."""
+
+    def _names(self) -> tuple[str, ...]:
+        from chimera.data.corpus import FAMILIES
+
+        return FAMILIES
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+
 def _add_data_parser(sub: Any) -> None:
     import os
-
-    from chimera.data.corpus import FAMILIES
 
     data = sub.add_parser("data", help="make a training corpus: Wikipedia dump -> sentences -> tokenizers, tokens")
     dsub = data.add_subparsers(dest="action", required=True, parser_class=_Parser)
@@ -170,7 +187,8 @@ def _add_data_parser(sub: Any) -> None:
     tok = dsub.add_parser("tokenizer", help="train WordPiece (BERT) / byte-level BPE (GPT-2) tokenizers on a corpus "
                                             "and tokenize it into memory-mapped files next to it")
     tok.add_argument("corpus", help="segmented corpus (one sentence per line, a blank line between documents)")
-    tok.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="model families")
+    tok.add_argument("--family", nargs="+", choices=_Families(), metavar="FAMILY", default=None,
+                     help="model families: %(choices)s (default: all)")
     tok.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size of each tokenizer")
     tok.add_argument("--min-frequency", type=int, default=2, help="minimum count of a merged token")
     tok.add_argument("--no-progress", action="store_true", help="no progress bar")

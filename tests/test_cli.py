@@ -72,3 +72,24 @@ def test_console_script_exit_code_no_traceback():
     p = subprocess.run([sys.executable, "-m", "chimera.cli", "schedule", "show", "chimera", "-D", "5", "-N", "5"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "even number" in p.stderr
+
+
+def test_simulate_does_not_validate_a_generated_schedule_twice(capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr("chimera.cli.validate", lambda s: calls.append(s.name) or s)
+    run(capsys, "schedule", "simulate", "chimera", "-D", "4", "-N", "4", "--lowered", "--json")
+    assert calls == []  # the simulator itself reports a deadlock, with the grid
+    run(capsys, "schedule", "show", "chimera", "-D", "4", "-N", "4", "--lowered")
+    assert calls == ["chimera"]
+
+
+def test_schedule_commands_do_not_import_torch():
+    code = ("import sys; from chimera.cli import main; main(['schedule', 'simulate', '1f1b', '-D', '2', '-N', '2']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+
+
+def test_tokenizer_family_choices(capsys):
+    code, _, err = run(capsys, "data", "tokenizer", "corpus.txt", "--family", "bert", "t5")
+    assert code == 2 and "invalid choice: 't5' (choose from 'bert', 'gpt2')" in err

@@ -13,29 +13,25 @@ It runs every worker's list in order, as the runtime would, and times each actio
 * ALLREDUCE_START is non-blocking; the allreduce of a stage ends ``allreduce(stage)`` after the last
   replica started it. ALLREDUCE_WAIT blocks until then.
 
-Workers that cannot finish are reported as ``stuck`` with the reason, which the validator turns into
-the step x worker grid.
+Whether an action can run depends on which actions have run, never on when, so a schedule is replayed
+once without times into a :class:`Plan`: the order in which the actions ran, and for each action the
+actions it waits for (with the delay slot it pays on top: a message, an allreduce). Timing the plan with
+costs is then one pass over that order (:meth:`Plan.times`), as often as needed. Workers that cannot finish
+are reported as ``stuck`` with the reason, which the validator turns into the step x worker grid.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from functools import cached_property
 from typing import Any
 
 from chimera.schedule.ir import Action, Schedule
-from chimera.schedule.kinds import SPECS, Msg, Role, message, neighbour
+from chimera.schedule.kinds import SPECS, Msg, Res, Role, message
 
 Key = tuple[Any, ...]
-
-
-@dataclass
-class Replay:
-    """Start and end time of every action, per worker; ``stuck`` maps worker -> (index, reason)."""
-
-    starts: list[list[Any]]
-    ends: list[list[Any]]
-    stuck: dict[int, tuple[int, str]] = field(default_factory=dict)
+Num = Any  # int, float or Fraction
+_MSG, _AR = "msg", "AR"  # track tags: messages in flight, allreduces (a resource's track is (res, pipe, stage))
 
 
 def message_key(a: Action, place: dict[tuple[str, int], int]) -> tuple[Msg, int]:
@@ -44,133 +40,270 @@ def message_key(a: Action, place: dict[tuple[str, int], int]) -> tuple[Msg, int]
     return msg, place[(a.pipe, peer)]
 
 
-def inputs(a: Action, stages: int) -> list[tuple[Msg, int]]:
-    """The resources a compute action waits for and the stage that makes each (from the kinds table)."""
-    out = []
-    for use in SPECS[a.kind].consumes:
-        src = neighbour(a.stage, use.offset, stages)
-        if src is not None:
-            out.extend((Msg(use.res, a.pipe, src, m), src) for m in a.microbatches)
-    return out
+class Plan:
+    """A schedule replayed once without times: what runs in which order, and what each action waits for.
 
+    Action ``schedule.actions[w][i]`` has the flat index ``bounds[w] + i``. Delay slot 0 is free, slot
+    ``1 + s`` is the allreduce of stage s, slot ``1 + stages + k`` the message ``messages[k]`` (one per
+    resource, pipe and stage that sends). Duration slot 0 is free, slot ``1 + k`` is what action
+    ``durations[k]`` costs (one per kind, stage and count among the compute and update actions).
+    """
 
-class _Engine:
-    """The state of one replay; one method per role of the kinds table."""
-
-    def __init__(self, schedule: Schedule, cost: Callable[[Action], Any], p2p: Callable[[Msg], Any],
-                 allreduce: Callable[[int], Any]) -> None:
+    def __init__(self, schedule: Schedule) -> None:
+        b = _Build(schedule)
+        b.run()
+        self.actions = schedule.actions
         self.place = dict(schedule.placement)
         self.stages = schedule.stages
+        self.bounds = b.bounds
+        self.size = b.bounds[-1]
+        self.order, self.prev, self.deps, self.slot = b.order, b.prev, b.deps, b.slot
+        self.waits = b.waits  # (flat index, flat index of the worker's previous action) of blocking actions
+        self.compute = b.compute  # per worker, flat indices of its compute actions
+        self.messages: list[Msg] = b.messages
+        self.durations: list[Action] = b.durations
+        self.synced = sorted(b.synced)  # stages whose allreduce some action waits for
+        self._stuck = {w: (b.pc[w], b.blocked.get(w)) for w in range(len(self.actions))
+                       if b.pc[w] < len(self.actions[w])}
+
+    @cached_property
+    def stuck(self) -> dict[int, tuple[int, str]]:
+        """Workers that cannot finish: worker -> (index of the action it is stuck at, why)."""
+        return {w: (i, self._reason(w, i, key)) for w, (i, key) in self._stuck.items()}
+
+    def times(self, duration: Sequence[Num], delay: Sequence[Num]) -> tuple[list[Num], list[Num]]:
+        """Start and end of every action (flat indices), given each duration slot's and delay slot's value.
+
+        A compute or update action starts when the worker is free and what it waits for is there (plus the
+        delay); a send or sync start takes no time; a blocking action starts when the worker reaches it and
+        ends when what it waits for is there.
+        """
+        if self._stuck:
+            raise ValueError("a stuck plan has no times")
+        end = [0] * (self.size + 1)  # end[size] stays 0: the "previous action" of each worker's first action
+        start = [0] * self.size
+        for i, p, deps, d in zip(self.order, self.prev, self.deps, self.slot):
+            t = end[p]
+            for q, s in deps:
+                x = end[q] + delay[s]
+                if x > t:
+                    t = x
+            start[i] = t
+            end[i] = t + duration[d]
+        for i, p in self.waits:
+            start[i] = end[p]
+        end.pop()
+        return start, end
+
+    def _reason(self, w: int, i: int, key: Key | None) -> str:
+        a = self.actions[w][i]
+        role = SPECS[a.kind].role
+        if key is None:
+            return "blocked"
+        if role is Role.RECV:
+            _, peer = message(a.kind, a.pipe, a.stage, a.microbatch)
+            return f"{a.text()} waits for worker {self.place.get((a.pipe, peer))} to send it"
+        if role is Role.SYNC_WAIT:
+            return f"{a.text()} waits for the other replicas of stage {a.stage} to start the allreduce"
+        res, pipe, st, m = key
+        src = w if st == a.stage else self.place.get((pipe, st))
+        return f"{a.text()} needs the {res.value} of stage {st} micro-batch {m} (made on worker {src})"
+
+
+class _Track:
+    """One resource (or message) of one pipe and stage: its maker per micro-batch, and who waits for which."""
+
+    __slots__ = ("key", "made", "waiting")
+
+    def __init__(self, key: Key) -> None:
+        self.key = key
+        self.made: dict[int, Any] = {}
+        self.waiting: dict[int, list[int]] = {}
+
+
+Deps = tuple[tuple[int, int], ...]
+_FREE: tuple[Deps, int] = ((), 0)
+
+
+class _Build:
+    """The replay without times behind :class:`Plan`; one method per role of the kinds table.
+
+    A role's method returns what the action waits for, as ``(flat index, delay slot)`` pairs, and its
+    duration slot; or None when it has to wait (the worker is woken when what it blocks on is made).
+    """
+
+    def __init__(self, schedule: Schedule) -> None:
         self.rows = schedule.actions
+        self.place = dict(schedule.placement)
+        self.stages = schedule.stages
         self.lowered = schedule.lowered
-        self.cost, self.p2p, self.allreduce = cost, p2p, allreduce
+        self.bounds = [0]
+        for row in self.rows:
+            self.bounds.append(self.bounds[-1] + len(row))
         nw = len(self.rows)
-        self.starts: list[list[Any]] = [[None] * len(r) for r in self.rows]
-        self.ends: list[list[Any]] = [[None] * len(r) for r in self.rows]
         self.pc = [0] * nw
-        self.clock: list[Any] = [0] * nw
-        self.done: dict[Key, Any] = {}  # resource / message / allreduce -> time it is available
-        self.waiting: dict[Key, list[int]] = {}
+        self.last = [self.bounds[-1]] * nw  # flat index of each worker's last action run (none: the sentinel)
+        self.tracks: dict[Key, _Track] = {}
+        self.blocked: dict[int, Key] = {}
+        self.joins: dict[int, list[int]] = {}
         self.replicas: dict[int, int] = {}
         for _, s in self.place:
             self.replicas[s] = self.replicas.get(s, 0) + 1
-        self.arrivals: dict[int, list[Any]] = {}
-        self.blocked: dict[int, str] = {}
         self.stack = list(range(nw - 1, -1, -1))
-        by_role: dict[Role, Callable[[int, int, Action], bool]] = {
+        self.order: list[int] = []
+        self.prev: list[int] = []
+        self.deps: list[Deps] = []
+        self.slot: list[int] = []
+        self.waits: list[tuple[int, int]] = []
+        self.compute: list[list[int]] = [[] for _ in range(nw)]
+        self.messages: list[Msg] = []
+        self.message_slot: dict[tuple[Res, str, int], int] = {}
+        self.durations: list[Action] = []
+        self.duration_slot: dict[tuple[Any, int, int], int] = {}
+        self.synced: set[int] = set()
+        self.templates: dict[Key, Any] = {}  # per kind, pipe, stage (count, worker): what its actions touch
+        self._kinds()
+
+    def _kinds(self) -> None:
+        """Per kind, from the table: its role's method, what it consumes, what it makes that others await."""
+        by_role: dict[Role, Callable[[int, int, Action], tuple[Deps, int] | None]] = {
             Role.COMPUTE: self._compute, Role.SEND: self._send, Role.RECV: self._recv,
             Role.SYNC_START: self._sync_start, Role.SYNC_WAIT: self._sync_wait, Role.UPDATE: self._update}
+        unknown = {spec.role for spec in SPECS.values()} - set(by_role)
+        if unknown:
+            raise ValueError(f"replay has no rule for the role(s) {sorted(map(str, unknown))} of the kinds table")
         self.handler = {kind: by_role[spec.role] for kind, spec in SPECS.items()}
+        self.blocking = {kind: spec.role in (Role.RECV, Role.SYNC_WAIT) for kind, spec in SPECS.items()}
+        self.uses = {kind: tuple((u.res, u.offset) for u in spec.consumes) for kind, spec in SPECS.items()}
         # what a compute action makes that another compute action waits for (weight gradients wait for nobody)
         awaited = {u.res for spec in SPECS.values() if spec.role is Role.COMPUTE for u in spec.consumes}
         self.made = {kind: tuple(r for r in spec.produces if r in awaited) for kind, spec in SPECS.items()}
 
-    def run(self) -> Replay:
+    def run(self) -> None:
+        handler, blocking = self.handler, self.blocking
+        order, prev, deps_of, slot_of, waits = self.order, self.prev, self.deps, self.slot, self.waits
         while self.stack:
-            self._advance(self.stack.pop())
-        stuck = {w: (self.pc[w], self.blocked.get(w, "blocked")) for w in range(len(self.rows))
-                 if self.pc[w] < len(self.rows[w])}
-        return Replay(self.starts, self.ends, stuck)
+            w = self.stack.pop()
+            row, base, last, i = self.rows[w], self.bounds[w], self.last[w], self.pc[w]
+            while i < len(row):
+                a = row[i]
+                k = base + i
+                ran = handler[a.kind](w, k, a)
+                if ran is None:
+                    break  # blocked; woken when what it waits for is made
+                order.append(k)
+                prev.append(last)
+                deps_of.append(ran[0])
+                slot_of.append(ran[1])
+                if blocking[a.kind]:
+                    waits.append((k, last))
+                last = k
+                i += 1
+            else:
+                self.blocked.pop(w, None)
+            self.pc[w], self.last[w] = i, last
 
-    def _advance(self, w: int) -> None:
-        row = self.rows[w]
-        while self.pc[w] < len(row):
-            i = self.pc[w]
-            a = row[i]
-            if not self.handler[a.kind](w, i, a):
-                return  # blocked; woken when what it waits for is done
-            self.pc[w] = i + 1
-        self.blocked.pop(w, None)
+    def _track(self, *key: Any) -> _Track:
+        t = self.tracks.get(key)
+        if t is None:
+            t = self.tracks[key] = _Track(key)
+        return t
 
-    def _finish(self, key: Key, t: Any) -> None:
-        self.done[key] = t
-        self.stack.extend(self.waiting.pop(key, ()))
+    def _finish(self, track: _Track, m: int, made_by: Any) -> None:
+        track.made[m] = made_by
+        if track.waiting and m in track.waiting:
+            self.stack.extend(track.waiting.pop(m))
 
-    def _wait_for(self, w: int, i: int, key: Key, why: Callable[[], str]) -> bool:
-        """Blocking action ``i`` of worker ``w`` on ``key``: False (and registered) if not done yet."""
-        if key not in self.done:
-            self.waiting.setdefault(key, []).append(w)
-            self.blocked[w] = why()
-            return False
-        self.starts[w][i] = self.clock[w]
-        self.clock[w] = max(self.clock[w], self.done[key])
-        self.ends[w][i] = self.clock[w]
-        return True
+    def _block(self, w: int, track: _Track, m: int) -> None:
+        track.waiting.setdefault(m, []).append(w)
+        self.blocked[w] = (*track.key, m)
 
-    def _compute(self, w: int, i: int, a: Action) -> bool:
-        ready = self.clock[w]
-        for key, st in inputs(a, self.stages):
-            src = w if st == a.stage else self.place[(a.pipe, st)]
-            if self.lowered and src != w:
-                continue  # arrives through a receive action
-            if key not in self.done:
-                self.waiting.setdefault(key, []).append(w)
-                self.blocked[w] = (f"{a.text()} needs the {key.res.value} of stage {st} micro-batch {key.microbatch} "
-                                   f"(made on worker {src})")
-                return False
-            t = self.done[key] if src == w else self.done[key] + self.p2p(key)
-            ready = max(ready, t)
-        self.starts[w][i] = ready
-        self.ends[w][i] = self.clock[w] = ready + self.cost(a)
-        for res in self.made[a.kind]:
-            for m in a.microbatches:
-                self._finish(Msg(res, a.pipe, a.stage, m), self.ends[w][i])
-        return True
+    def _duration(self, a: Action) -> int:
+        k = (a.kind, a.stage, a.count)
+        slot = self.duration_slot.get(k)
+        if slot is None:
+            self.durations.append(a)
+            slot = self.duration_slot[k] = len(self.durations)
+        return slot
 
-    def _send(self, w: int, i: int, a: Action) -> bool:  # eager: the message leaves now, arrives p2p() later
-        key, _ = message_key(a, self.place)
-        self.starts[w][i] = self.ends[w][i] = self.clock[w]
-        self._finish(("msg", *key), self.clock[w] + self.p2p(key))
-        return True
+    def _message(self, key: Msg) -> int:
+        slot = self.message_slot.get(key[:3])
+        if slot is None:
+            self.messages.append(key)
+            slot = self.message_slot[key[:3]] = self.stages + len(self.messages)
+        return slot
 
-    def _recv(self, w: int, i: int, a: Action) -> bool:
-        key, peer = message_key(a, self.place)
-        return self._wait_for(w, i, ("msg", *key), lambda: f"{a.text()} waits for worker {peer} to send it")
+    def _compute(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
+        template = self.templates.get((a.kind, a.pipe, a.stage, a.count, w))
+        if template is None:
+            template = self.templates[(a.kind, a.pipe, a.stage, a.count, w)] = self._compute_template(w, a)
+        needs, makes, slot = template
+        first, count = a.microbatch, a.count
+        deps = []
+        for track, delay in needs:
+            if count == 1:
+                made_by = track.made.get(first)
+                if made_by is None:
+                    return self._block(w, track, first)
+                deps.append((made_by, delay))
+                continue
+            for m in range(first, first + count):
+                made_by = track.made.get(m)
+                if made_by is None:
+                    return self._block(w, track, m)
+                deps.append((made_by, delay))
+        self.compute[w].append(i)
+        for track in makes:
+            for m in range(first, first + count):
+                self._finish(track, m, i)
+        return tuple(deps), slot
 
-    def _sync_start(self, w: int, i: int, a: Action) -> bool:
-        self.starts[w][i] = self.ends[w][i] = self.clock[w]
-        arr = self.arrivals.setdefault(a.stage, [])
-        arr.append(self.clock[w])
-        if len(arr) == self.replicas[a.stage]:
-            self._finish(("AR", a.stage), max(arr) + self.allreduce(a.stage))
-        return True
+    def _compute_template(self, w: int, a: Action) -> tuple[tuple[tuple[_Track, int], ...], tuple[_Track, ...], int]:
+        """What compute actions of this kind, pipe, stage and count on worker ``w`` wait for (the resource's
+        track, the delay slot) and make; inputs from the data or the loss, or (lowered) from a receive, drop out."""
+        needs = []
+        for res, offset in self.uses[a.kind]:
+            src = a.stage + offset
+            if src == a.stage or (0 <= src < self.stages and self.place.get((a.pipe, src)) == w):
+                needs.append((self._track(res, a.pipe, src), 0))
+            elif 0 <= src < self.stages and not self.lowered:
+                needs.append((self._track(res, a.pipe, src), self._message(Msg(res, a.pipe, src, a.microbatch))))
+        makes = tuple(self._track(res, a.pipe, a.stage) for res in self.made[a.kind])
+        return tuple(needs), makes, self._duration(a)
 
-    def _sync_wait(self, w: int, i: int, a: Action) -> bool:
-        return self._wait_for(w, i, ("AR", a.stage),
-                              lambda: f"{a.text()} waits for the other replicas of stage {a.stage} to start the allreduce")
+    def _message_template(self, a: Action) -> tuple[_Track, int]:
+        template = self.templates.get((a.kind, a.pipe, a.stage))
+        if template is None:
+            key, _ = message(a.kind, a.pipe, a.stage, a.microbatch)
+            template = self.templates[(a.kind, a.pipe, a.stage)] = (self._track(_MSG, *key[:3]), self._message(key))
+        return template
 
-    def _update(self, w: int, i: int, a: Action) -> bool:
-        self.starts[w][i] = self.clock[w]
-        self.ends[w][i] = self.clock[w] = self.clock[w] + self.cost(a)
-        return True
+    def _send(self, w: int, i: int, a: Action) -> tuple[Deps, int]:  # leaves now, arrives p2p() later
+        track, delay = self._message_template(a)
+        self._finish(track, a.microbatch, (i, delay))
+        return _FREE
 
+    def _recv(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
+        track, _ = self._message_template(a)
+        sent = track.made.get(a.microbatch)
+        if sent is None:
+            return self._block(w, track, a.microbatch)
+        return (sent,), 0
 
-def replay(
-    schedule: Schedule,
-    cost: Callable[[Action], Any],
-    p2p: Callable[[Msg], Any],
-    allreduce: Callable[[int], Any],
-) -> Replay:
-    """Execute ``schedule``: ``cost(a)`` is the duration of a compute or update action, ``p2p(msg)`` a
-    message's, ``allreduce(stage)`` a stage group's gradient sum; see the module docstring."""
-    return _Engine(schedule, cost, p2p, allreduce).run()
+    def _sync_start(self, w: int, i: int, a: Action) -> tuple[Deps, int]:
+        started = self.joins.setdefault(a.stage, [])
+        started.append(i)
+        if len(started) == self.replicas.get(a.stage):
+            self._finish(self._track(_AR), a.stage, tuple(started))
+        return _FREE
+
+    def _sync_wait(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
+        track = self._track(_AR)
+        started = track.made.get(a.stage)
+        if started is None:
+            return self._block(w, track, a.stage)
+        self.synced.add(a.stage)
+        return tuple((j, 1 + a.stage) for j in started), 0
+
+    def _update(self, w: int, i: int, a: Action) -> tuple[Deps, int]:
+        return (), self._duration(a)

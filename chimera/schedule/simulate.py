@@ -11,18 +11,27 @@ Usage::
 Costs are per micro-batch (scaled by the schedule's ``microbatch_scale`` and by an action's ``count``);
 pass ints or :class:`fractions.Fraction` for exact results. Busy time counts F and B only, so
 ``bubble = 1 - sum(busy) / (workers * makespan)``.
+
+A schedule is prepared once (:class:`Simulator`; :func:`simulate` keeps the preparation of each
+``Schedule`` object while it lives), then every run only times the prepared order with the costs. Exact
+costs run in plain integers over their common denominator; floats stay floats.
 """
 
 from __future__ import annotations
 
+import numbers
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import cached_property
+from math import lcm
 from typing import Any
 
 from chimera.schedule.ir import Action, Schedule
-from chimera.schedule.kinds import SPECS, Address, Res
-from chimera.schedule.replay import replay
+from chimera.schedule.kinds import SPECS, Address, Msg, Res
+from chimera.schedule.kinds import message as message_of
+from chimera.schedule.replay import Plan
 from chimera.schedule.validate import ScheduleError, format_grid
 
 Num = Any  # int, float or Fraction
@@ -30,9 +39,11 @@ Num = Any  # int, float or Fraction
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-action costs: scalars, or one value per stage for ``fwd``, ``bwd`` and ``allreduce``.
+    """Per-action costs: scalars, or one value per stage for ``fwd``, ``bwd``, ``allreduce`` and ``p2p_bytes``.
 
-    ``p2p_latency + p2p_bytes / p2p_bandwidth`` is the time of one message (0 bandwidth: no byte term);
+    ``p2p_latency + p2p_bytes / p2p_bandwidth`` is the time of one message (0 bandwidth: no byte term); per
+    stage, ``p2p_bytes[s]`` is the size of stage s's output activation: an activation message made by stage s
+    has that size, the gradient made by stage s (with respect to its input) that of stage s-1's output.
     ``optimizer`` is the optimizer step.
     """
 
@@ -54,26 +65,30 @@ class Costs:
         if spec.cost is None:
             return 0
         if spec.cost == "message":
-            return self.message()
+            return self.message(message_of(a.kind, a.pipe, a.stage, a.microbatch)[0])
         value = self.stage_value(getattr(self, spec.cost), a.stage)
         if spec.address is not Address.MICROBATCH:
             return value
         v = value * a.count
         return v if scale == 1 else v * scale
 
-    def message(self, key: Any = None) -> Num:
-        """One message's time; per-stage ``p2p_bytes`` are the bytes the stage that made it sends."""
-        if self.p2p_bandwidth:
-            nbytes = self.p2p_bytes[key.stage] if isinstance(self.p2p_bytes, Sequence) else self.p2p_bytes
-            return self.p2p_latency + nbytes / self.p2p_bandwidth
-        return self.p2p_latency
+    def message(self, key: Msg | None = None) -> Num:
+        """The time of message ``key`` (per-stage ``p2p_bytes`` need the key: its stage made it)."""
+        if not self.p2p_bandwidth:
+            return self.p2p_latency
+        size = self.p2p_bytes
+        if isinstance(size, Sequence):
+            if key is None:
+                raise ValueError("per-stage p2p_bytes: the message's key names the stage whose bytes it costs")
+            size = size[key.stage if key.res is not Res.GRAD else key.stage - 1]
+        return self.p2p_latency + size / self.p2p_bandwidth
 
 
 @dataclass(frozen=True)
 class SimResult:
     """What a simulated iteration looks like.
 
-    ``starts[w][i]`` / ``ends[w][i]`` belong to ``schedule.actions[w][i]``.
+    ``starts[w][i]`` / ``ends[w][i]`` belong to ``schedule.actions[w][i]`` (built on first access).
     """
 
     schedule: Schedule
@@ -81,8 +96,29 @@ class SimResult:
     busy: list[Num]
     bubble: Num
     peak_activations: list[Num]
-    starts: list[list[Num]]
-    ends: list[list[Num]]
+    _starts: list[Num] = field(repr=False, compare=False)  # flat, in units of 1/_unit
+    _ends: list[Num] = field(repr=False, compare=False)
+    _unit: int = field(default=1, repr=False, compare=False)
+
+    @cached_property
+    def starts(self) -> list[list[Num]]:
+        """Start time of every action, per worker."""
+        return self._rows(self._starts)
+
+    @cached_property
+    def ends(self) -> list[list[Num]]:
+        """End time of every action, per worker."""
+        return self._rows(self._ends)
+
+    def _rows(self, flat: list[Num]) -> list[list[Num]]:
+        if self._unit != 1:
+            u = self._unit
+            flat = [Fraction(t, u) for t in flat]
+        rows, at = [], 0
+        for row in self.schedule.actions:
+            rows.append(flat[at:at + len(row)])
+            at += len(row)
+        return rows
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary: makespan, bubble, busy and peak_activations (lists per worker)."""
@@ -104,44 +140,97 @@ class SimResult:
 
 def peak_activations(schedule: Schedule) -> list[Num]:
     """Per worker, the most micro-batches (times ``microbatch_scale``) stashed for a backward at once."""
+    sign = {k: 1 if Res.STASH in s.produces else -1 if Res.STASH in s.releases else 0 for k, s in SPECS.items()}
     out = []
     for row in schedule.actions:
         live = peak = 0
         for a in row:
-            spec = SPECS[a.kind]
-            if Res.STASH in spec.produces:
-                live += a.count
-                peak = max(peak, live)
-            elif Res.STASH in spec.releases:
-                live -= a.count
+            d = sign[a.kind]
+            if d:
+                live += d * a.count
+                if live > peak:
+                    peak = live
         v = peak * schedule.microbatch_scale
         out.append(int(v) if v.denominator == 1 else v)
     return out
 
 
+_PREPARED: dict[int, tuple[Plan, list[Num]]] = {}  # id(schedule) -> its plan and peaks, dropped with the schedule
+
+
+def _prepare(schedule: Schedule) -> tuple[Plan, list[Num]]:
+    # Keyed by id, not stored on the instance: a Schedule travels pickled (chimera.job.Job) and must stay small.
+    # The finalizer drops the entry before the id can be reused.
+    key = id(schedule)
+    hit = _PREPARED.get(key)
+    if hit is None:
+        plan = Plan(schedule)
+        if plan.stuck:
+            marks = {w: i for w, (i, _) in plan.stuck.items()}
+            why = "; ".join(f"worker {w} at step {i}: {m}" for w, (i, m) in sorted(plan.stuck.items()))
+            raise ScheduleError(f"cannot simulate {schedule.name}: deadlock: {why}\n{format_grid(schedule, marks)}")
+        hit = _PREPARED[key] = (plan, peak_activations(schedule))
+        weakref.finalize(schedule, _PREPARED.pop, key, None)
+    return hit
+
+
+def _common_denominator(values: Sequence[Num]) -> int | None:
+    """The least common denominator of ``values`` when all are exact (ints, Fractions), else None."""
+    unit = 1
+    for v in values:
+        if not isinstance(v, numbers.Rational):
+            return None
+        unit = lcm(unit, int(v.denominator))
+    return unit
+
+
+class Simulator:
+    """``schedule`` prepared once (replayed without times); :meth:`run` times it with any :class:`Costs`.
+
+    Raises :class:`ScheduleError` with the step x worker grid if the schedule deadlocks.
+    """
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self._plan, self._peaks = _prepare(schedule)
+
+    def run(self, costs: Costs | None = None) -> SimResult:
+        """Simulate one iteration with ``costs`` (default :class:`Costs`)."""
+        c = costs or Costs()
+        p = self._plan
+        duration = [0, *(c.of(a, self.schedule.microbatch_scale) for a in p.durations)]
+        allreduce = [0] * p.stages
+        for s in p.synced:
+            allreduce[s] = c.stage_value(c.allreduce, s)
+        delay = [0, *allreduce, *(c.message(k) for k in p.messages)]
+        unit = _common_denominator(duration + delay)
+        if unit is not None:  # exact: integers in units of 1/unit
+            duration = [int(v.numerator) * (unit // int(v.denominator)) for v in duration]
+            delay = [int(v.numerator) * (unit // int(v.denominator)) for v in delay]
+        elif all(isinstance(v, numbers.Real) for v in duration + delay):
+            duration, delay = [float(v) for v in duration], [float(v) for v in delay]
+        starts, ends = p.times(duration, delay)
+        return self._result(starts, ends, unit)
+
+    def _result(self, starts: list[Num], ends: list[Num], unit: int | None) -> SimResult:
+        p = self._plan
+        busy = [sum([ends[i] - starts[i] for i in ids]) for ids in p.compute]
+        makespan = max(ends) - min(starts) if ends else 0
+        total, nw = sum(busy), len(busy)
+        if not makespan:
+            bubble = makespan
+        elif unit is not None:
+            bubble = 1 - Fraction(total, nw * makespan)
+        else:
+            bubble = 1 - total / (nw * makespan)
+        if unit is not None and unit != 1:
+            makespan, busy = Fraction(makespan, unit), [Fraction(b, unit) for b in busy]
+        return SimResult(self.schedule, makespan, busy, bubble, list(self._peaks), starts, ends, unit or 1)
+
+
 def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
-    """Replay ``schedule`` (compute-only or lowered) with ``costs``; raise ScheduleError on deadlock."""
-    c = costs or Costs()
-    scale = schedule.microbatch_scale
-    r = replay(schedule, cost=lambda a: c.of(a, scale), p2p=c.message, allreduce=lambda s: c.stage_value(c.allreduce, s))
-    if r.stuck:
-        marks = {w: i for w, (i, _) in r.stuck.items()}
-        why = "; ".join(f"worker {w} at step {i}: {m}" for w, (i, m) in sorted(r.stuck.items()))
-        raise ScheduleError(f"cannot simulate {schedule.name}: deadlock: {why}\n{format_grid(schedule, marks)}")
-    zero = c.optimizer * 0
-    busy = []
-    for w, row in enumerate(schedule.actions):
-        total = zero
-        for i, a in enumerate(row):
-            if a.kind.is_compute:
-                total += r.ends[w][i] - r.starts[w][i]
-        busy.append(total)
-    ends = [e for row in r.ends for e in row]
-    starts = [s for row in r.starts for s in row]
-    makespan = (max(ends) - min(starts)) if ends else zero
-    nw = schedule.workers
-    total = sum(busy)
-    if isinstance(total, int | Fraction) and isinstance(makespan, int | Fraction):
-        total = Fraction(total)  # exact bubble for exact costs
-    bubble = 1 - total / (nw * makespan) if makespan else zero
-    return SimResult(schedule, makespan, busy, bubble, peak_activations(schedule), r.starts, r.ends)
+    """Replay ``schedule`` (compute-only or lowered) with ``costs``; raise ScheduleError on deadlock.
+
+    The first call on a ``Schedule`` object prepares it; later calls on the same object only time it.
+    """
+    return Simulator(schedule).run(costs)

@@ -7,7 +7,7 @@ Checks, in order:
 3. (lowered) every send has exactly one matching receive on the right peer, and on every channel
    (sender, receiver, pipe) the sends and the receives come in the same order (NCCL matches p2p
    messages in posting order);
-4. the lists run to completion with :func:`chimera.schedule.replay.replay` (a compute-only schedule is
+4. the lists run to completion with :class:`chimera.schedule.replay.Plan` (a compute-only schedule is
    lowered first): blocking receives, non-blocking sends, allreduce waits that need every replica.
 
 A failure raises :class:`ScheduleError`, whose message holds the step x worker grid with the offending
@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 
 from chimera.schedule.ir import Action, Kind, Schedule
 from chimera.schedule.kinds import SPECS, Address
-from chimera.schedule.replay import message_key, replay
+from chimera.schedule.replay import Plan, message_key
 
 
 class ScheduleError(ValueError):
@@ -107,12 +107,13 @@ def _check_structure(s: Schedule) -> None:
 def _check_channels(s: Schedule) -> None:
     sends: dict[tuple[int, int, str], list[tuple[tuple, int]]] = defaultdict(list)
     recvs: dict[tuple[int, int, str], list[tuple[tuple, int]]] = defaultdict(list)
+    place = dict(s.placement)
     for w, row in enumerate(s.actions):
         for i, a in enumerate(row):
             if not a.kind.is_p2p:
                 continue
             try:
-                key, peer = message_key(a, dict(s.placement))
+                key, peer = message_key(a, place)
             except KeyError:
                 _fail(s, f"{a} has no peer stage (it is at the end of the {a.pipe} pipe)", {w: i})
             if a.kind.is_send:
@@ -144,11 +145,10 @@ def validate(schedule: Schedule) -> Schedule:
     else:
         run = lower(schedule)
         _check_channels(run)
-    zero = lambda *_: 0  # noqa: E731
-    result = replay(run, zero, zero, zero)
-    if result.stuck:
-        marks = {w: i for w, (i, _) in result.stuck.items()}
-        why = "; ".join(f"worker {w} at step {i}: {r}" for w, (i, r) in sorted(result.stuck.items()))
+    stuck = Plan(run).stuck
+    if stuck:
+        marks = {w: i for w, (i, _) in stuck.items()}
+        why = "; ".join(f"worker {w} at step {i}: {r}" for w, (i, r) in sorted(stuck.items()))
         prefix = "" if run is schedule else "(after lowering) "
         raise ScheduleError(f"invalid {schedule.name} schedule: {prefix}deadlock: {why}\n{format_grid(run, marks)}")
     return schedule
