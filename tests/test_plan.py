@@ -32,7 +32,7 @@ def test_a_planned_partition_never_exceeds_the_memory_limit(prof, name, d, k, un
     part = plan_partition(prof, sched, unit, recompute, "adamw", memory_limit=limit)
     assert len(part.sizes) == d and sum(part.sizes) == len(prof.layers) and min(part.sizes) >= 1
     # the reported peak is the memory model's for that partition
-    mem = worker_memory(prof, sched, layers_of(part.sizes), unit, "adamw", recompute)
+    mem = worker_memory(prof, lower(sched), layers_of(part.sizes), unit, "adamw", recompute)
     assert max(m.total for m in mem) == part.peak_memory
     if frac >= 1.0:
         assert part.peak_memory <= limit  # the unconstrained optimum fits, so the search must stay within

@@ -19,6 +19,8 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (as profiled)")
     p.add_argument("--profile", required=True, help="profile file (chimera profile -o ...)")
     p.add_argument("--workers", "-K", type=int, required=True, help="workers (D x W) to plan for")
+    p.add_argument("--stages", "-D", type=int, default=None, help="fix the pipeline depth D (default: search every D "
+                   "dividing --workers)")
     p.add_argument("--memory-per-worker", default=None, help="memory limit per worker, e.g. 80GiB (default: the "
                    "profiled device's memory, or none)")
     p.add_argument("--global-batch", "-G", type=int, default=None, help="samples per step (N x B x W); default: the "
@@ -48,7 +50,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         chain = build_model(args.model, seq_len=args.seq_len)
         profile = Profile.load(args.profile).check(chain)
         limit = parse_bytes(args.memory_per_worker) if args.memory_per_worker else profile.device_memory_bytes
-        result = plan(profile, args.workers, args.global_batch, limit, args.optimizer, args.top)
+        result = plan(profile, args.workers, args.global_batch, limit, args.optimizer, args.top, stages=args.stages)
         chosen = Plan.from_result(result, args.model, profile.fingerprint, profile.device)
     except (ValueError, ProfileError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)

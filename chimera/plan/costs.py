@@ -58,7 +58,7 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
         return Costs(fwd=fwd, bwd=bwd, optimizer=optimizer_s)
     allreduce = []
     for s in range(len(stage_layers)):
-        n = len(schedule.stage_group(s))
+        n = schedule.stage_group_size(s)
         allreduce.append(_allreduce_link(profile, n).time(sc.param_bytes[s]) if n > 1 else 0.0)
     return Costs(fwd=fwd, bwd=bwd, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes,
                  p2p_bandwidth=comm.p2p.bandwidth_Bps, allreduce=allreduce, optimizer=optimizer_s)

@@ -77,52 +77,100 @@ def _stages(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, 
     return out
 
 
+class MemoryWalk:
+    """What a schedule's order implies for memory, whatever the partition: for every worker, the distinct states
+    its action list passes through, as counts per stage it holds (units stashed, gradients allocated, a
+    recomputation's transient units, messages out and in, a flat gradient copy). Walked once per schedule; a
+    partition is then priced by a dot product per state."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.workers = [self._walk(schedule, w) for w in range(schedule.workers)]
+
+    @staticmethod
+    def _walk(schedule: Schedule, w: int) -> tuple[list[int], list[int], list[tuple[tuple[int, ...], ...]]]:
+        pairs = schedule.stages_of(w)
+        held = [s for _, s in pairs]
+        groups = [schedule.stage_group_size(s) for s in held]
+        slot = {ps: k for k, ps in enumerate(pairs)}
+        n = len(held)
+        zero = (0,) * n
+        unit: dict[tuple[int, int], tuple[int, ...]] = {}  # (stage slot, count) -> that count at that slot
+
+        def at(k: int, c: int) -> tuple[int, ...]:
+            if (k, c) not in unit:
+                unit[(k, c)] = tuple(c if i == k else 0 for i in range(n))
+            return unit[(k, c)]
+
+        live = [0] * n
+        grads, flats = zero, zero
+        states: set[tuple[tuple[int, ...], ...]] = set()
+        for a in schedule.actions[w]:
+            kind = a.kind
+            if kind is Kind.F:  # its output waits to be sent (its received input is now part of the stash)
+                k = slot[(a.pipe, a.stage)]
+                live[k] += a.count
+                states.add((tuple(live), grads, zero, at(k, a.count), zero, flats))
+            elif kind is Kind.B:  # the output gradient in, the input gradient out; recomputing, a transient
+                k = slot[(a.pipe, a.stage)]
+                grads = tuple(1 if i == k else g for i, g in enumerate(grads))
+                c = at(k, a.count)
+                states.add((tuple(live), grads, c, c, c, flats))
+                live[k] -= a.count
+            elif kind is Kind.ALLREDUCE_START:
+                k = slot[(a.pipe, a.stage)]
+                flats = tuple(1 if i == k else f for i, f in enumerate(flats))
+                states.add((tuple(live), grads, zero, zero, zero, flats))
+        if not schedule.lowered:  # the step's end: every stage's gradient sum started (a lowered list says when)
+            states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups)))
+        return held, groups, _maximal(states)
+
+
+def _maximal(states: set[tuple[tuple[int, ...], ...]]) -> list[tuple[tuple[int, ...], ...]]:
+    """The states no other state dominates (every count at least as large): only those can be the peak. States
+    that differ only in their stash counts are compared on those alone."""
+    groups: dict[tuple[tuple[int, ...], ...], list[tuple[int, ...]]] = {}
+    for live, *rest in states:
+        groups.setdefault(tuple(rest), []).append(live)
+    keep = []
+    for rest, lives in groups.items():
+        front: list[tuple[int, ...]] = []
+        for live in sorted(lives, key=sum, reverse=True):
+            if not any(all(a >= b for a, b in zip(f, live)) for f in front):
+                front.append(live)
+        keep += [(live, *rest) for live in front]
+    return keep
+
+
 def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
-                  optimizer: str, recompute: bool, exchange: bool = True) -> list[WorkerMemory]:
+                  optimizer: str, recompute: bool, exchange: bool = True, walk: MemoryWalk | None = None
+                  ) -> list[WorkerMemory]:
     """Peak bytes of every worker of one data-parallel group (module docstring).
 
-    ``schedule``: compute-only or lowered; ``exchange``: gloo, where a pair of replicas sums gradients by
-    exchanging buckets (the peer's bucket lands in a buffer posted at the step's start).
+    ``schedule``: compute-only or lowered (``walk``: its :class:`MemoryWalk`, when already made); ``exchange``:
+    gloo, where a pair of replicas sums gradients by exchanging buckets (the peer's bucket lands in a buffer
+    posted at the step's start).
     """
     stages = _stages(profile, stage_layers, unit, optimizer, recompute)
-    return [_worker(schedule, w, stages, recompute, exchange) for w in range(schedule.workers)]
+    walk = walk or MemoryWalk(schedule)
+    return [_worker(held, groups, states, stages, exchange) for held, groups, states in walk.workers]
 
 
-def _worker(schedule: Schedule, w: int, stages: list[_Stage], recompute: bool, exchange: bool) -> WorkerMemory:
-    held = schedule.stages_of(w)
-    params = sum(stages[s].params for _, s in held)
-    opt = sum(stages[s].optimizer for _, s in held)
-    synced = [s for _, s in held if len(schedule.stage_group(s)) > 1]
-    preposted = sum(stages[s].bucket for s in synced if exchange and len(schedule.stage_group(s)) == 2)
-    grads_of: set[tuple[str, int]] = set()
-    flats = 0
-    live = peak_total = 0
-    peak = WorkerMemory(params, opt, 0, 0, 0, preposted)
-    for a in schedule.actions[w]:
-        st = stages[a.stage] if a.kind is not Kind.OPTIMIZER_STEP else None
-        transient = msgs = 0
-        if a.kind is Kind.F:  # its output waits to be sent (its received input is now part of the stash)
-            assert st is not None
-            live += a.count * st.stash
-            msgs = a.count * st.msg_out
-        elif a.kind is Kind.B:
-            assert st is not None
-            grads_of.add((a.pipe, a.stage))
-            if recompute and st.stash != st.full_stash:
-                transient = a.count * st.full_stash
-            msgs = a.count * (st.msg_in + st.msg_out)  # the output gradient in, the input gradient out
-        elif a.kind is Kind.ALLREDUCE_START:
-            assert st is not None
-            flats += st.bucket
-        grads = sum(stages[s].params for _, s in grads_of)
-        act = live + transient
-        total = params + opt + grads + act + msgs + preposted + flats
+def _worker(held: list[int], groups: list[int], states: set[tuple[tuple[int, ...], ...]], stages: list[_Stage],
+            exchange: bool) -> WorkerMemory:
+    st = [stages[s] for s in held]
+    params = sum(x.params for x in st)
+    opt = sum(x.optimizer for x in st)
+    preposted = sum(x.bucket for x, n in zip(st, groups) if exchange and n == 2)
+    extra = [x.full_stash if x.stash != x.full_stash else 0 for x in st]  # a recomputing backward's transient
+    peak, peak_total = WorkerMemory(params, opt, 0, 0, 0, preposted), 0
+    for live, grads, transient, out, inn, flats in states:
+        act = sum(c * x.stash + t * e for c, t, x, e in zip(live, transient, st, extra))
+        g = sum(x.params for f, x in zip(grads, st) if f)
+        msgs = sum(o * x.msg_out + i * x.msg_in for o, i, x in zip(out, inn, st))
+        sync = preposted + sum(x.bucket for f, x, n in zip(flats, st, groups) if f and n > 1)
+        total = params + opt + g + act + msgs + sync
         if total > peak_total:
-            peak_total = total
-            peak = WorkerMemory(params, opt, grads, act, msgs, preposted + flats)
-        if a.kind is Kind.B:
-            assert st is not None
-            live -= a.count * st.stash
+            peak_total, peak = total, WorkerMemory(params, opt, g, act, msgs, sync)
     return peak
 
 

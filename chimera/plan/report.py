@@ -12,13 +12,14 @@ def _gib(n: int | None) -> str:
 
 
 def ranked_table(rows: Sequence[Evaluated]) -> str:
-    """Markdown-style table of ranked candidates."""
+    """Markdown-style table of ranked candidates (``≈``: the first pass's estimate, not refined)."""
     out = ["| # | schedule | D | W | B | N | step s | samples/s | bubble | peak GiB/worker | partition |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(rows, 1):
         c = e.candidate
         out.append(f"| {i} | {c.label} | {c.stages} | {c.data_parallel} | {c.micro_batch_size} | {c.micro_batches} | "
-                   f"{e.step_s:.4g} | {e.samples_per_s:.4g} | {e.bubble:.3f} | {_gib(e.peak_memory)} | "
+                   f"{'' if e.exact else '≈'}{e.step_s:.4g} | {e.samples_per_s:.4g} | {e.bubble:.3f} | "
+                   f"{_gib(e.peak_memory)} | "
                    f"{','.join(map(str, e.partition or []))} |")
     return "\n".join(out)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from chimera.plan.partition import PartitionResult, plan_partition
 from chimera.profile import Profile
-from chimera.schedule import ScheduleConfigError, build_schedule
+from chimera.schedule import Schedule, ScheduleConfigError, build_schedule
 
 SCHEDULES = (("gpipe", "direct"), ("1f1b", "direct"), ("interleaved", "direct"), ("chimera", "direct"),
              ("chimera", "doubling"), ("chimera", "halving"))
@@ -67,6 +67,7 @@ class Evaluated:
     peak_memory: int | None = None
     partition: list[int] | None = None
     reason: str | None = None
+    exact: bool = False  # simulated on the lowered schedule (else the first pass's estimate)
 
 
 @dataclass
@@ -83,10 +84,13 @@ def _divisors(k: int) -> list[int]:
     return [d for d in range(1, k + 1) if k % d == 0]
 
 
-def candidates(num_layers: int, workers: int, global_batch: int, sizes: Sequence[int]
+def candidates(num_layers: int, workers: int, global_batch: int, sizes: Sequence[int],
+               built: dict[tuple[Any, ...], Schedule] | None = None, stages: int | None = None
                ) -> Iterator[tuple[Candidate, str | None]]:
-    """Every (candidate, reason it cannot run or None) without recomputation."""
-    for d in _divisors(workers):
+    """Every (candidate, reason it cannot run or None) without recomputation, at depth ``stages`` if given;
+    ``built`` keeps the schedules."""
+    built = {} if built is None else built
+    for d in [stages] if stages else _divisors(workers):
         w = workers // d
         for name, mode in SCHEDULES:
             if d == 1 and name != "1f1b":
@@ -95,15 +99,24 @@ def candidates(num_layers: int, workers: int, global_batch: int, sizes: Sequence
                 if global_batch % (b * w):
                     continue  # this B cannot make the global batch at this width
                 c = Candidate(name, mode, d, w, b, global_batch // (b * w), False)
-                yield c, _why_not(c, num_layers, sizes)
+                yield c, _why_not(c, num_layers, sizes, built)
 
 
-def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int]) -> str | None:
+def _schedule(c: Candidate, built: dict[tuple[Any, ...], Schedule]) -> Schedule:
+    key = (c.schedule, c.stages, c.micro_batches, c.mode, c.chunks, c.data_parallel)
+    if key not in built:
+        built[key] = build_schedule(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode,
+                                    data_parallel=c.data_parallel)
+    return built[key]
+
+
+def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int], built: dict[tuple[Any, ...], Schedule]
+             ) -> str | None:
     parts = c.stages * (c.chunks if c.schedule == "interleaved" else 1)
     if parts > num_layers:
         return f"{parts} stages > {num_layers} layers"
     try:
-        build_schedule(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode)
+        _schedule(c, built)
     except ScheduleConfigError as e:
         return str(e)
     if c.mode == "halving" and c.micro_batch_size % 2:
@@ -114,18 +127,24 @@ def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int]) -> str | None:
 
 
 def plan(profile: Profile, workers: int, global_batch: int | None = None, memory_limit: int | None = None,
-         optimizer: str = "adamw", top: int = 10, exchange: bool = True, refine: int = 3) -> PlanResult:
+         optimizer: str = "adamw", top: int = 10, exchange: bool = True, refine: int = 3,
+         stages: int | None = None) -> PlanResult:
     """Rank the configurations of ``profile``'s model on ``workers`` workers (module docstring).
 
-    Every candidate is first simulated with its load-balanced partition; the best ``refine`` x ``top`` then get
-    their partition refined by simulation (``chimera.plan.partition``) and are ranked again."""
+    Every candidate is first estimated with its load-balanced partition (the compute-only schedule plus the
+    largest gradient sum); the best ``refine`` then get their partition refined and their step simulated on the
+    lowered schedule (``chimera.plan.partition``), and the list is ranked again (``Evaluated.exact`` tells the
+    two apart). ``stages`` fixes D (and so W = workers / D)."""
+    if stages is not None and (stages < 1 or workers % stages):
+        raise ValueError(f"--stages {stages} must divide --workers {workers}")
     sizes = sorted(profile.micro_batch_sizes)
     g = global_batch or max(sizes) * workers
     result = PlanResult([], [], inputs={"workers": workers, "global_batch": g, "memory_limit": memory_limit,
                                         "optimizer": optimizer})
     pending = []
-    work: dict[tuple[int, bool], float] = {}
-    for c, why in candidates(len(profile.layers), workers, g, sizes):
+    work: dict[tuple[int, bool], tuple[float, float]] = {}
+    built: dict[tuple[Any, ...], Schedule] = {}
+    for c, why in candidates(len(profile.layers), workers, g, sizes, built, stages):
         if why:
             result.infeasible.append(Evaluated(c, reason=why))
         else:
@@ -136,11 +155,11 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
         if len(best) >= top and bound >= -best[0]:
             result.pruned += 1
             continue
-        ev = _evaluate(profile, c, memory_limit, optimizer, exchange, rounds=0)
+        ev = _evaluate(profile, c, _schedule(c, built), memory_limit, optimizer, exchange, rounds=0, exact=False)
         if ev.reason is not None and "memory" in ev.reason and not c.recompute:
             result.infeasible.append(ev)  # try the same configuration recomputing
-            ev = _evaluate(profile, Candidate(**{**c.flags(), "recompute": True}), memory_limit, optimizer, exchange,
-                           rounds=0)
+            ev = _evaluate(profile, Candidate(**{**c.flags(), "recompute": True}), _schedule(c, built), memory_limit,
+                           optimizer, exchange, rounds=0, exact=False)
         if ev.reason is not None:
             result.infeasible.append(ev)
             continue
@@ -149,33 +168,44 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
         if len(best) > top:
             heapq.heappop(best)
     result.ranked.sort(key=lambda e: e.step_s)  # type: ignore[arg-type,return-value]
-    head = [_evaluate(profile, e.candidate, memory_limit, optimizer, exchange) for e in result.ranked[:refine * top]]
-    result.ranked[:len(head)] = [h if h.reason is None and h.step_s <= e.step_s else e  # type: ignore[operator]
-                                 for h, e in zip(head, result.ranked)]
+    head = [_evaluate(profile, e.candidate, _schedule(e.candidate, built), memory_limit, optimizer, exchange,
+                      rounds=4) for e in result.ranked[:refine]]
+    result.ranked[:len(head)] = [h for h in head if h.reason is None]
+    result.infeasible += [h for h in head if h.reason is not None]
     result.ranked.sort(key=lambda e: e.step_s)  # type: ignore[arg-type,return-value]
     return result
 
 
-def _lower_bound(profile: Profile, c: Candidate, cache: dict[tuple[int, bool], float]) -> float:
-    """Seconds the busiest worker computes at best: the whole model's work spread evenly over its D workers."""
+def _lower_bound(profile: Profile, c: Candidate, cache: dict[tuple[int, bool], tuple[float, float]]) -> float:
+    """Seconds no partition can beat: the busiest worker computes at least its share of the whole model's work,
+    and it cannot start before its first input crossed the stages ahead of it (the fill): D-1 of the D stages'
+    forwards in GPipe/1F1B, (D-1)/v of them interleaved over v chunks, D/2-1 in Chimera, whose other pipe
+    feeds the far end at once; a forward over two units (doubling, halving) fills with both."""
     key = (c.unit, c.recompute)
     if key not in cache:
         t = profile.stage_seconds(range(len(profile.layers)), c.unit)
-        cache[key] = t["forward"] + t["backward"] + (t["recompute"] if c.recompute else 0.0)
+        cache[key] = (t["forward"] + t["backward"] + (t["recompute"] if c.recompute else 0.0), t["forward"])
+    work, forward = cache[key]
     units = c.micro_batches * (2 if c.mode == "halving" else 1)
-    return units * cache[key] / c.stages
+    d = c.stages
+    if c.schedule == "chimera":
+        ahead = max(0, d // 2 - 1) / d * (1 if c.mode == "direct" else 2)
+    elif c.schedule == "interleaved":
+        ahead = (d - 1) / (d * c.chunks)
+    else:
+        ahead = (d - 1) / d
+    return units * work / d + ahead * forward
 
 
-def _evaluate(profile: Profile, c: Candidate, memory_limit: int | None, optimizer: str, exchange: bool,
-              rounds: int = 8) -> Evaluated:
-    sched = build_schedule(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode,
-                           data_parallel=c.data_parallel)
+def _evaluate(profile: Profile, c: Candidate, sched: Schedule, memory_limit: int | None, optimizer: str,
+              exchange: bool, rounds: int = 8, exact: bool = True) -> Evaluated:
     part: PartitionResult = plan_partition(profile, sched, c.unit, c.recompute, optimizer, memory_limit, exchange,
-                                           rounds=rounds)
+                                           rounds=rounds, exact=exact)
     peak = part.peak_memory
     if memory_limit is not None and peak > memory_limit:
         return Evaluated(c, peak_memory=peak, partition=part.sizes,
                          reason=f"needs {peak / 2**30:.2f} GiB on a worker, more than the {memory_limit / 2**30:.2f} "
                                 "GiB memory limit")
     samples = c.micro_batch_size * c.micro_batches * c.data_parallel
-    return Evaluated(c, part.step_s, samples / part.step_s if part.step_s else None, part.bubble, peak, part.sizes)
+    return Evaluated(c, part.step_s, samples / part.step_s if part.step_s else None, part.bubble, peak, part.sizes,
+                     exact=exact)

@@ -167,6 +167,17 @@ class Schedule:
         """The (pipe, stage) replicas that ``worker`` holds."""
         return [ps for ps, w in self.placement.items() if w == worker]
 
+    @cached_property
+    def _replicas(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for _, s in self.placement:
+            out[s] = out.get(s, 0) + 1
+        return out
+
+    def stage_group_size(self, stage: int) -> int:
+        """How many ranks (over all W groups) hold a replica of ``stage``: ``len(stage_group(stage))``."""
+        return self._replicas.get(stage, 0) * self.data_parallel
+
     def stage_group(self, stage: int) -> list[int]:
         """Global ranks (over all W groups) holding a replica of ``stage``: the gradient allreduce group."""
         local = sorted({w for (p, s), w in self.placement.items() if s == stage})
