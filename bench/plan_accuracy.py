@@ -50,7 +50,7 @@ def accuracy(steps: int, reps: int) -> list[str]:
     comm = measure_comm_local(2)
     for name in ("bert-tiny", "gpt2-tiny"):
         chain = build_model(name, seq_len=64)
-        prof = profile_chain(chain, [2, 4, 8], reps=reps, warmup=2, threads=1, comm=comm)
+        prof = profile_chain(chain, [2, 4, 8], reps=reps, warmup=2, threads=1, comm=comm, concurrent=2)
         result = plan(prof, 2, global_batch=32, optimizer="adamw", top=4)
         base = TrainConfig.from_flags(model=name, seq_len=64, corpus="synthetic", optimizer="adamw", steps=steps,
                                       threads=1, clip_grad=0.0)
@@ -84,7 +84,7 @@ def heavy(steps: int, reps: int) -> list[str]:
 
     chain = LayerChain([lambda i=i: _sleepy(0.05 if i == 2 else 0.01) for i in range(8)], nn.functional.mse_loss,
                        data(0, 0, 0), name="heavy-layer")
-    prof = profile_chain(chain, [2], reps=reps, warmup=1, threads=1)
+    prof = profile_chain(chain, [2], reps=reps, warmup=1, threads=1, concurrent=2)
     sched = build_schedule("1f1b", 2, 8)
     planned = plan_partition(prof, sched, 2, False, "sgd")
     uniform = [4, 4]

@@ -10,6 +10,7 @@ model, device, library versions, threads and sizes)::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,18 @@ def memory_limit(cfg: Any) -> int | None:
     return parse_bytes(text) if text else None
 
 
-def cached_profile(chain: Any, sizes: Sequence[int], device: str, threads: int,
+def sharing(world: int, device: str) -> int:
+    """How many workers will compute at once on this machine's CPU cores (1 on GPUs: one device each)."""
+    return 1 if device == "cuda" else max(1, min(world, os.cpu_count() or 1))
+
+
+def cached_profile(chain: Any, sizes: Sequence[int], device: str, threads: int, concurrent: int = 1,
                    comm: Callable[[], CommProfile] | None = None, reps: int = 3) -> Profile:
-    """A profile of ``chain`` at ``sizes`` on ``device`` with ``threads`` threads: the one kept in ``profiles/``
-    when it still matches, else a new one (taken now and kept)."""
+    """A profile of ``chain`` at ``sizes`` on ``device`` with ``threads`` threads per process and ``concurrent``
+    processes at once: the one kept in ``profiles/`` when it still matches, else a new one (taken and kept)."""
     from chimera.profile.layers import profile_chain
 
-    path = PROFILE_DIR / f"{chain.name}.{device}.t{threads}.profile.json"
+    path = PROFILE_DIR / f"{chain.name}.{device}.t{threads}.x{concurrent}.profile.json"
     try:
         prof = Profile.load(path).check(chain, device=device)
         if set(sizes) <= set(prof.micro_batch_sizes) and prof.threads == threads and (comm is None or prof.comm):
@@ -44,7 +50,7 @@ def cached_profile(chain: Any, sizes: Sequence[int], device: str, threads: int,
     except ProfileError:
         pass
     prof = profile_chain(chain, sorted(set(sizes)), device=device, reps=reps, warmup=1, threads=threads,
-                         comm=comm() if comm else None)
+                         comm=comm() if comm else None, concurrent=concurrent)
     prof.save(path)
     return prof
 
@@ -53,7 +59,8 @@ def planned_partition(cfg: Any, chain: Any, schedule: Schedule) -> tuple[list[li
     """The layers of every stage that minimise the simulated step for this schedule, and the prediction."""
     world = schedule.workers * schedule.data_parallel
     unit = int(cfg.schedule.micro_batch_size * schedule.microbatch_scale)
-    prof = cached_profile(chain, [unit], cfg.training.device, cfg.worker_threads(world))
+    device = cfg.training.device
+    prof = cached_profile(chain, [unit], device, cfg.worker_threads(world), sharing(world, device))
     part = plan_partition(prof, schedule, unit, cfg.training.recompute, cfg.training.optimizer, memory_limit(cfg),
                           exchange=cfg.training.device != "cuda")
     prediction = {"step_s": part.step_s, "bubble": part.bubble, "peak_memory_bytes": part.peak_memory,
@@ -71,7 +78,8 @@ def apply_plan(cfg: Any, spec: str, chain: Any, comm: Callable[[], CommProfile] 
     workers = s.stages * s.data_parallel
     global_batch = s.micro_batches * s.micro_batch_size * s.data_parallel
     sizes = sorted({b for b in (s.micro_batch_size // 2, s.micro_batch_size, 2 * s.micro_batch_size) if b >= 1})
-    prof = cached_profile(chain, sizes, cfg.training.device, cfg.worker_threads(workers), comm)
+    device = cfg.training.device
+    prof = cached_profile(chain, sizes, device, cfg.worker_threads(workers), sharing(workers, device), comm)
     result = plan(prof, workers, global_batch, memory_limit(cfg), cfg.training.optimizer,
                   exchange=cfg.training.device != "cuda")
     chosen = Plan.from_result(result, chain.name, prof.fingerprint, prof.device)

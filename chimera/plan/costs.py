@@ -43,7 +43,7 @@ def stage_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: i
 
 
 def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, recompute: bool,
-                    schedule: Schedule, optimizer_s: float = 0.0) -> Costs:
+                    schedule: Schedule, optimizer: str | None = None) -> Costs:
     """The :class:`~chimera.schedule.Costs` of running ``schedule`` with this partition (module docstring).
 
     The simulator's compute costs are per micro-batch and scaled by the schedule's ``microbatch_scale``, so under
@@ -51,6 +51,10 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     messages and gradient sums are free (a lower bound).
     """
     sc = stage_costs(profile, stage_layers, unit, recompute)
+    optimizer_s = 0.0
+    if optimizer is not None:  # every worker steps its stages' parameters; the step ends with the slowest
+        stage_opt = [sum(profile.layers[i].optimizer_s.get(optimizer, 0.0) for i in layers) for layers in stage_layers]
+        optimizer_s = max(sum(stage_opt[s] for _, s in schedule.stages_of(w)) for w in range(schedule.workers))
     per_mb = float(1 / schedule.microbatch_scale)
     fwd, bwd = [t * per_mb for t in sc.fwd], [t * per_mb for t in sc.bwd]
     comm = profile.comm

@@ -158,18 +158,18 @@ def _local_main(rank: int, world: int, init: str, backend: str, sizes: Sequence[
 def measure_comm_local(world: int = 2, backend: str = "gloo", *, sizes: Sequence[int] = SIZES, reps: int = 3,
                        timeout_s: float = 120.0) -> CommProfile:
     """Run :func:`comm_probe` in ``world`` processes on this machine (NCCL: one GPU per process)."""
-    from chimera.runtime.launch import _context, _main_not_rerun
+    from chimera.runtime.launch import forkserver_context, main_not_rerun
 
     if world < 2:
         raise ProfileError(f"a communication probe needs at least 2 processes, got {world}")
-    ctx = _context()
+    ctx = forkserver_context()
     out = ctx.Queue()
     results: dict[int, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_local_main, daemon=True,
                              args=(r, world, f"file://{tmp}/rendezvous", backend, tuple(sizes), reps, timeout_s, out))
                  for r in range(world)]
-        with _main_not_rerun():
+        with main_not_rerun():
             for p in procs:
                 p.start()
         deadline = time.monotonic() + timeout_s + 60

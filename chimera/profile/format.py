@@ -71,6 +71,7 @@ class LayerProfile:
     optimizer_bytes: dict[str, int]  # optimizer name -> state bytes it keeps for this layer
     costs: dict[int, LayerCost]  # micro-batch size -> cost
     tied: dict[int, int] = field(default_factory=dict)  # other layer -> bytes of the parameter they share
+    optimizer_s: dict[str, float] = field(default_factory=dict)  # optimizer name -> seconds of its step here
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,8 @@ class Profile:
         try:
             layers = [LayerProfile(x["index"], x["kind"], x["params"], x["param_bytes"], dict(x["optimizer_bytes"]),
                                    {int(k): _layer_cost(v) for k, v in x["costs"].items()},
-                                   {int(k): v for k, v in x.get("tied", {}).items()}) for x in d["layers"]]
+                                   {int(k): v for k, v in x.get("tied", {}).items()},
+                                   dict(x.get("optimizer_s", {}))) for x in d["layers"]]
             comm = d.get("comm")
             if comm is not None:
                 comm = CommProfile(Link(**comm["p2p"]), {int(k): Link(**v) for k, v in comm["allreduce"].items()},

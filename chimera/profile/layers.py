@@ -42,19 +42,27 @@ from chimera.profile.format import (
     Timing,
     fingerprint,
 )
+from chimera.runtime.host_memory import keep_freed_memory
 
 BACKWARDS = {"backward_input": (True, False), "backward_weight": (False, True), "backward": (True, True)}
 
 
 def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device: str = "cpu", reps: int = 5,
                   warmup: int = 2, seed: int = 0, threads: int | None = None, comm: CommProfile | None = None,
-                  amp: bool | None = None, probe_memory: bool = True) -> Profile:
+                  amp: bool | None = None, probe_memory: bool = True, concurrent: int = 1) -> Profile:
     """Profile every layer of ``chain`` at every micro-batch size (module docstring).
 
     ``amp`` (default: on CUDA) runs forwards under bf16 autocast, as the runtime does with ``amp``. On CUDA the
     largest micro-batch size whose whole-chain forward+backward fits is probed first, each size in a fresh
-    process (``probe_memory=False`` skips it); on CPU it is not probed.
+    process (``probe_memory=False`` skips it); on CPU it is not probed. ``concurrent`` > 1: as that many
+    workers will share this machine's cores (and their caches and memory bandwidth), profile in that many
+    processes at once and keep the median of each timing; alone, a CPU worker's layers run faster than they
+    will beside the others.
     """
+    if concurrent > 1:
+        return _concurrently(chain, micro_batch_sizes, concurrent,
+                             {"device": device, "reps": reps, "warmup": warmup, "seed": seed, "threads": threads,
+                              "comm": comm, "amp": amp, "probe_memory": probe_memory})
     if not micro_batch_sizes or any(not isinstance(b, int) or b < 1 for b in micro_batch_sizes):
         raise ProfileError(f"micro-batch sizes must be integers >= 1, got {list(micro_batch_sizes)}")
     sizes = sorted(set(micro_batch_sizes))
@@ -75,6 +83,8 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
                      f"{', '.join(f'{b}: {fits}' for b, fits, _ in probe.probes)}")
     else:
         notes.append(f"max_micro_batch_size not probed on {dev.type}")
+    if dev.type == "cpu":
+        keep_freed_memory()  # allocate as the workers do, or fresh pages cost every timed forward
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -92,6 +102,60 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
                    versions=current_versions(dev.type), threads=used_threads, micro_batch_sizes=sizes, layers=layers,
                    max_micro_batch_size=max_mbs, device_memory_bytes=memory, comm=comm,
                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"), notes=notes)
+
+
+def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str, Any]) -> Profile:
+    """``profile_chain`` in ``n`` processes at once; each timing is the median of theirs."""
+    import queue as queue_mod
+
+    import cloudpickle
+
+    from chimera.runtime.launch import forkserver_context, main_not_rerun
+
+    ctx = forkserver_context()
+    out = ctx.Queue()
+    packed = cloudpickle.dumps((chain, list(sizes), kw))
+    procs = [ctx.Process(target=_profile_main, args=(packed, out), daemon=True) for _ in range(n)]
+    with main_not_rerun():
+        for p in procs:
+            p.start()
+    results: list[dict[str, Any]] = []
+    try:
+        while len(results) < n:
+            try:
+                kind, payload = out.get(timeout=5.0)
+            except queue_mod.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise ProfileError(f"a concurrent profiling process exited with code {dead[0]}") from None
+                continue
+            if kind == "error":
+                raise ProfileError(f"concurrent profiling failed: {payload}")
+            results.append(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    merged = results[0]
+    for li, layer in enumerate(merged["layers"]):
+        for b, cost in layer["costs"].items():
+            for k in ("forward", "backward_input", "backward_weight", "backward", "recompute"):
+                cost[k]["median_s"] = float(np.median([r["layers"][li]["costs"][b][k]["median_s"] for r in results]))
+        for name in layer["optimizer_s"]:
+            layer["optimizer_s"][name] = float(np.median([r["layers"][li]["optimizer_s"][name] for r in results]))
+    merged["notes"].append(f"profiled in {n} processes at once (as {n} workers share this machine); medians of theirs")
+    return Profile.from_dict(merged)
+
+
+def _profile_main(packed: bytes, out: Any) -> None:
+    import cloudpickle
+
+    try:
+        chain, sizes, kw = cloudpickle.loads(packed)
+        out.put(("ok", profile_chain(chain, sizes, **kw).to_dict()))
+    except BaseException as e:  # reported to the parent
+        out.put(("error", f"{type(e).__name__}: {e}"))
 
 
 def current_versions(device: str = "cpu") -> dict[str, str]:
@@ -129,8 +193,9 @@ def _profile_layers(chain: LayerChain, sizes: list[int], dev: torch.device, amp:
         for (k, name_k), (j, name_j) in chain.tied_parameters():
             if i in (k, j):
                 tied[j if i == k else k] = _nbytes(layer.get_parameter(name_k if i == k else name_j))
+        opt_bytes, opt_s = optimizer_costs(layer)
         out.append(LayerProfile(i, type(layer).__name__, sum(p.numel() for p in params),
-                                sum(_nbytes(p) for p in params), optimizer_bytes(layer), costs, tied))
+                                sum(_nbytes(p) for p in params), opt_bytes, costs, tied, opt_s))
         del layer
     return out
 
@@ -179,9 +244,11 @@ class LayerRun:
         x, _ = self.leaves()
         self.sync()
         t0 = time.perf_counter()
-        self.forward(x)
+        out = self.forward(x)
         self.sync()
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        del out  # freed outside the timed region, as the runtime keeps it for the backward
+        return elapsed
 
     def time_recompute(self) -> float:
         """A recomputing backward's forward: under the RNG state the first forward ran with, with grad."""
@@ -194,9 +261,11 @@ class LayerRun:
             torch.set_rng_state(state[0])
             if state[1] is not None:
                 torch.cuda.set_rng_state(state[1], self.device)
-            self.forward(x)
+            out = self.forward(x)
         self.sync()
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        del out
+        return elapsed
 
     def targets(self, inputs: list[torch.Tensor], wrt_input: bool, wrt_weight: bool) -> list[torch.Tensor]:
         return (inputs if wrt_input else []) + (self.params if wrt_weight else [])
@@ -208,9 +277,11 @@ class LayerRun:
         targets = self.targets(inputs, wrt_input, wrt_weight)
         self.sync()
         t0 = time.perf_counter()
-        torch.autograd.grad(outs, targets, grads, allow_unused=True)
+        got = torch.autograd.grad(outs, targets, grads, allow_unused=True)
         self.sync()
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        del got  # freed outside the timed region (the runtime keeps gradients until the optimizer step)
+        return elapsed
 
     def stash_bytes(self) -> int:
         """Bytes of the unique storages the autograd graph saves during the forward, parameters excluded."""
@@ -267,22 +338,31 @@ def measure(fn: Callable[[], float], reps: int, warmup: int) -> Timing:
     return Timing(float(q50), float(q75 - q25), reps)
 
 
-def optimizer_bytes(layer: nn.Module) -> dict[str, int]:
-    """State bytes of every optimizer in ``OPTIMIZERS`` after one step on a copy of ``layer``'s parameters."""
+def optimizer_costs(layer: nn.Module, reps: int = 3) -> tuple[dict[str, int], dict[str, float]]:
+    """For every optimizer in ``OPTIMIZERS``, on a copy of ``layer``'s parameters: the bytes of its state after a
+    step, and the median seconds of a step (the first, which creates the state, not counted)."""
     params = [p for p in layer.parameters() if p.requires_grad]
-    out = {}
+    nbytes, seconds = {}, {}
     for name in OPTIMIZERS:
         if not params:
-            out[name] = 0
+            nbytes[name], seconds[name] = 0, 0.0
             continue
         copies = [p.detach().clone().requires_grad_(True) for p in params]
         for c in copies:
-            c.grad = torch.zeros_like(c)
+            c.grad = torch.full_like(c, 1e-3)
         opt = build_optimizer(copies, name)
         opt.step()
-        out[name] = sum(_nbytes(t) for t in tensors(list(opt.state.values())))
+        nbytes[name] = sum(_nbytes(t) for t in tensors(list(opt.state.values())))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            opt.step()
+            if copies[0].is_cuda:
+                torch.cuda.synchronize(copies[0].device)
+            times.append(time.perf_counter() - t0)
+        seconds[name] = float(np.median(times))
         del opt, copies
-    return out
+    return nbytes, seconds
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -71,16 +71,16 @@ def probe_max_micro_batch_size(chain: LayerChain, start: int, *, device: str = "
                                ) -> MemoryProbe:
     """Search the largest micro-batch size whose forward+backward of the whole chain fits on ``device``, one
     fresh process per probed size. Any error other than running out of memory is raised as ProfileError."""
-    from chimera.runtime.launch import _context, _main_not_rerun
+    from chimera.runtime.launch import forkserver_context, main_not_rerun
 
     packed = cloudpickle.dumps(chain)
-    ctx = _context()
+    ctx = forkserver_context()
     result = MemoryProbe(None, None)
 
     def fits(size: int) -> bool:
         out = ctx.Queue()
         proc = ctx.Process(target=_probe_main, args=(packed, size, device, seed, amp, out), daemon=True)
-        with _main_not_rerun():
+        with main_not_rerun():
             proc.start()
         try:
             kind, payload, memory, pid = _answer(out, proc, size, timeout_s)

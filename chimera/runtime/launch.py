@@ -102,7 +102,7 @@ def _worker_main(packed: bytes, rank: int, world: int, init: str, out: Any, retu
                 worker.close()
 
 
-def _context() -> Any:
+def forkserver_context() -> Any:
     """A forkserver that has imported torch, chimera and the transformer presets once (several seconds), so that
     workers start in well under a second."""
     ctx = mp.get_context("forkserver")
@@ -111,7 +111,7 @@ def _context() -> Any:
 
 
 @contextlib.contextmanager
-def _main_not_rerun() -> Iterator[None]:
+def main_not_rerun() -> Iterator[None]:
     """While processes start: hide the main script from multiprocessing, which would otherwise run it again in
     every worker (a script without an ``if __name__ == "__main__"`` guard would start training there too). The
     job needs nothing from it: cloudpickle carried its functions by value."""
@@ -133,14 +133,14 @@ def run_local(job: Job | TrainConfig, *, return_state: bool = False, timeout_s: 
     cfg, t = job.cfg, job.cfg.training
     world = job.world_size
     packed = cloudpickle.dumps(job)
-    ctx = _context()
+    ctx = forkserver_context()
     out = ctx.Queue()
     limit = timeout_s if timeout_s is not None else t.timeout_s * (t.steps + 2) + 120
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
         procs = [ctx.Process(target=_worker_main, args=(packed, r, world, init, out, return_state), daemon=True)
                  for r in range(world)]
-        with _main_not_rerun():
+        with main_not_rerun():
             for p in procs:
                 p.start()
         steps: dict[int, list[StepResult]] = {}
