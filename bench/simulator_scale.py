@@ -7,6 +7,8 @@ Usage: python bench/simulator_scale.py [--stages 64] [--micro-batches 512] [--no
 times); ``again s`` a second one with other costs (float), which only times the prepared schedule. The second
 table does the same for the compute-only schedule with float costs, and the third times
 ``python -m chimera.cli schedule simulate chimera -D .. -N ..`` (Python start-up included; median of 3).
+The last table times the planner (``chimera.plan.plan``) on a profile made of numbers: a 66-layer model on
+2048 workers, with D fixed at 64 (W = 32) and over every D; and BERT-48 (paper-like numbers) on 32 workers.
 """
 
 from __future__ import annotations
@@ -83,6 +85,23 @@ def main() -> None:
         print(f"| {name} | {first:.3f} | {again:.3f} |")
     if not args.no_cli:
         print(f"\nCLI `chimera schedule simulate chimera -D {d} -N {n}`: {cli_wall(d, n):.2f} s wall (median of 3)")
+    planner()
+
+
+def planner() -> None:
+    from chimera.plan import plan
+    from chimera.profile.synthetic import bert48_paper_like, layer, profile
+
+    sizes = (1, 2, 4, 8)
+    big = profile([layer(i, 0.002, 4 * 20_000_000, 10_000_000, 1_000_000, sizes) for i in range(66)], sizes)
+    print("\n| planner | candidates ranked / infeasible | seconds | goal |\n|---|---|---|---|")
+    for label, args in (("66 layers, 2048 workers, D = 64 (W = 32)", (big, 2048, 2048 * 8, 80 * 2**30, 64)),
+                        ("66 layers, 2048 workers, every D", (big, 2048, 2048 * 8, 80 * 2**30, None)),
+                        ("BERT-48 paper-like, 32 workers, every D", (bert48_paper_like(), 32, 256, 16 * 2**30, None))):
+        prof, workers, g, limit, d = args
+        r, t = timed(lambda: plan(prof, workers, g, limit, "adamw", 10, stages=d))  # noqa: B023
+        print(f"| {label} | {len(r.ranked)} / {len(r.infeasible)} | {t:.2f} | {'ok' if t < 10 else 'MISSED'} "
+              "(< 10 s) |")
 
 
 if __name__ == "__main__":

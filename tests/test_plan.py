@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from chimera.plan import Plan, PlanError, parse_bytes, plan, plan_partition, simulator_costs, worker_memory
 from chimera.plan.partition import layers_of, min_max_split
+from chimera.profile.synthetic import bert48_paper_like, layer, profile
 from chimera.schedule import build_schedule, lower, simulate
-from tests.synthetic_profiles import bert48_paper_like, layer, profile
 
 SIZES = (1, 2, 4)
 

@@ -1,4 +1,5 @@
-"""Profiles made from numbers (no measurement) for planner tests."""
+"""Profiles made from numbers instead of measurements: for planning hardware one does not have (what-if) and
+for testing the planner. ``bert48_paper_like()`` is the setting of the Chimera paper's BERT-48 runs."""
 
 from __future__ import annotations
 
