@@ -31,7 +31,8 @@ def _check_stages(model: LayerChain, stages: int) -> None:
         )
 
 
-def _from_sizes(sizes: Sequence[int]) -> list[list[int]]:
+def layers_of(sizes: Sequence[int]) -> list[list[int]]:
+    """Stage -> consecutive layer indices, for stage sizes."""
     out, start = [], 0
     for size in sizes:
         out.append(list(range(start, start + size)))
@@ -58,8 +59,10 @@ def _uniform_sizes(num_blocks: int, stages: int) -> list[int]:
     return blocks
 
 
-def _params_sizes(counts: Sequence[int], stages: int) -> list[int]:
-    """Contiguous split of ``counts`` into ``stages`` non-empty parts minimising the maximum part sum."""
+def min_max_split(counts: Sequence[float], stages: int) -> list[int]:
+    """Contiguous split of ``counts`` into ``stages`` non-empty parts minimising the maximum part sum (part sizes).
+
+    The ``"params"`` method splits parameter counts with it; the planner splits measured compute."""
     n = len(counts)
     prefix = [0]
     for c in counts:
@@ -113,7 +116,7 @@ def partition(model: LayerChain, stages: int, method: str | Sequence[int] = "uni
         if method == "uniform":
             sizes = _uniform_sizes(model.num_layers - 2, stages)
         elif method == "params":
-            sizes = _params_sizes(model.layer_num_params(), stages)
+            sizes = min_max_split(model.layer_num_params(), stages)
         elif method.replace(",", "").replace(" ", "").isdigit():
             sizes = _explicit(model, stages, [int(x) for x in method.split(",") if x.strip()])
         else:
@@ -123,4 +126,4 @@ def partition(model: LayerChain, stages: int, method: str | Sequence[int] = "uni
             )
     else:
         sizes = _explicit(model, stages, method)
-    return _from_sizes(sizes)
+    return layers_of(sizes)

@@ -13,9 +13,10 @@ not the stage. The search:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from chimera.models.partition import layers_of, min_max_split
 from chimera.plan.costs import simulator_costs
 from chimera.plan.memory import MemoryWalk, WorkerMemory, worker_memory
 from chimera.profile import Profile
@@ -34,39 +35,6 @@ class PartitionResult:
     @property
     def peak_memory(self) -> int:
         return max(m.total for m in self.memory)
-
-
-def layers_of(sizes: Sequence[int]) -> list[list[int]]:
-    """Stage -> layer indices for stage sizes."""
-    out, start = [], 0
-    for n in sizes:
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-def min_max_split(costs: Sequence[float], parts: int) -> list[int]:
-    """Contiguous split of ``costs`` into ``parts`` non-empty parts minimising the largest part sum."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    arg = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], arg[k][i] = cost, j
-    sizes, i = [], n
-    for k in range(parts, 0, -1):
-        j = arg[k][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]
 
 
 def _neighbours(sizes: list[int]) -> list[list[int]]:
