@@ -203,7 +203,6 @@ class RayJob:
         if cfg.profiling.nsys and shutil.which("nsys") is None:
             raise ConfigError("--nsys needs Nsight Systems' `nsys` on PATH, and it is not there; install Nsight "
                               "Systems (https://developer.nvidia.com/nsight-systems) or drop --nsys")
-        self.address = self.launch.address
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.node_of_rank: list[str] = []
         self.connect_timeout_s = self.launch.connect_timeout_s

@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from chimera.models.partition import layers_of, min_max_split
 from chimera.plan.costs import simulator_costs
 from chimera.plan.memory import MemoryWalk, WorkerMemory, worker_memory
 from chimera.profile import Profile
 from chimera.schedule import Schedule, lower, simulate
+from chimera.splits import layers_of, min_max_split
 
 
 @dataclass(frozen=True)
