@@ -11,7 +11,6 @@ least squares). :func:`measure_comm_local` runs it with processes on this machin
 
 from __future__ import annotations
 
-import queue
 import tempfile
 import time
 import traceback
@@ -158,39 +157,20 @@ def _local_main(rank: int, world: int, init: str, backend: str, sizes: Sequence[
 def measure_comm_local(world: int = 2, backend: str = "gloo", *, sizes: Sequence[int] = SIZES, reps: int = 3,
                        timeout_s: float = 120.0) -> CommProfile:
     """Run :func:`comm_probe` in ``world`` processes on this machine (NCCL: one GPU per process)."""
-    from chimera.runtime.launch import forkserver_context, main_not_rerun
+    from chimera.runtime.launch import LocalProcesses
 
     if world < 2:
         raise ProfileError(f"a communication probe needs at least 2 processes, got {world}")
-    ctx = forkserver_context()
-    out = ctx.Queue()
     results: dict[int, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_local_main, daemon=True,
-                             args=(r, world, f"file://{tmp}/rendezvous", backend, tuple(sizes), reps, timeout_s, out))
-                 for r in range(world)]
-        with main_not_rerun():
-            for p in procs:
-                p.start()
-        deadline = time.monotonic() + timeout_s + 60
-        try:
-            while len(results) < world:
-                try:
-                    kind, rank, payload = out.get(timeout=1.0)
-                except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                    if dead or time.monotonic() > deadline:
-                        raise ProfileError(f"communication probe: process {dead[0]} exited with code "
-                                           f"{procs[dead[0]].exitcode}" if dead else
-                                           f"communication probe gave no answer within {timeout_s + 60:g} s") from None
-                    continue
+        args = [(r, world, f"file://{tmp}/rendezvous", backend, tuple(sizes), reps, timeout_s) for r in range(world)]
+        with LocalProcesses(_local_main, args, ProfileError, "communication probe process") as procs:
+            waiting = lambda: f"processes {sorted(set(range(world)) - set(results))}"  # noqa: E731
+            for kind, rank, payload in procs.messages(timeout_s + 60, waiting):
                 if kind == "error":
                     raise ProfileError(f"communication probe: process {rank} failed: {payload}")
                 results[rank] = payload
-        finally:
-            for p in procs:
-                p.join(timeout=5 if len(results) == world else 0.5)
-                if p.is_alive():
-                    p.terminate()
-                    p.join(timeout=5)
+                if len(results) == world:
+                    procs.finished = True
+                    break
     return fit_comm([results[r] for r in range(world)], backend, f"local {backend}, {world} processes")

@@ -106,37 +106,20 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
 
 def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str, Any]) -> Profile:
     """``profile_chain`` in ``n`` processes at once; each timing is the median of theirs."""
-    import queue as queue_mod
-
     import cloudpickle
 
-    from chimera.runtime.launch import forkserver_context, main_not_rerun
+    from chimera.runtime.launch import LocalProcesses
 
-    ctx = forkserver_context()
-    out = ctx.Queue()
     packed = cloudpickle.dumps((chain, list(sizes), kw))
-    procs = [ctx.Process(target=_profile_main, args=(packed, out), daemon=True) for _ in range(n)]
-    with main_not_rerun():
-        for p in procs:
-            p.start()
     results: list[dict[str, Any]] = []
-    try:
-        while len(results) < n:
-            try:
-                kind, payload = out.get(timeout=5.0)
-            except queue_mod.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise ProfileError(f"a concurrent profiling process exited with code {dead[0]}") from None
-                continue
+    with LocalProcesses(_profile_main, [(packed,)] * n, ProfileError, "profiling process") as procs:
+        for kind, payload in procs.messages(3600, lambda: f"{n - len(results)} of {n} profiles"):
             if kind == "error":
                 raise ProfileError(f"concurrent profiling failed: {payload}")
             results.append(payload)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
+            if len(results) == n:
+                procs.finished = True
+                break
     merged = results[0]
     for li, layer in enumerate(merged["layers"]):
         for b, cost in layer["costs"].items():

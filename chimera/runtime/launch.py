@@ -81,7 +81,7 @@ class LocalResult:
     states: dict[int, Any] = field(default_factory=dict)
 
 
-def _worker_main(packed: bytes, rank: int, world: int, init: str, out: Any, return_state: bool) -> None:
+def _worker_main(packed: bytes, rank: int, world: int, init: str, return_state: bool, out: Any) -> None:
     worker = None
     try:
         job: Job = cloudpickle.loads(packed)
@@ -126,6 +126,53 @@ def main_not_rerun() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
+class LocalProcesses:
+    """Processes forked from the preloaded forkserver, one per argument tuple, each called as
+    ``target(*args, queue)``; a context manager that starts them with the main script hidden and, on exit, joins
+    them (terminating any still alive). :meth:`messages` yields what they put on the queue until told to stop,
+    raising ``error`` when one died without a word or the deadline passed (``name``: what a process is called in
+    those messages, e.g. ``"worker"``).
+
+        with LocalProcesses(_main, [(0,), (1,)], ProfileError, "probe process") as procs:
+            for msg in procs.messages(60, waiting=lambda: "process 1"):
+                ...
+    """
+
+    def __init__(self, target: Any, args: list[tuple[Any, ...]], error: type[Exception], name: str) -> None:
+        ctx = forkserver_context()
+        self.queue = ctx.Queue()
+        self.procs = [ctx.Process(target=target, args=(*a, self.queue), daemon=True) for a in args]
+        self.error, self.name = error, name
+        self.finished = False
+
+    def __enter__(self) -> LocalProcesses:
+        with main_not_rerun():
+            for p in self.procs:
+                p.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.join(timeout=5 if self.finished else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+    def messages(self, deadline_s: float, waiting: Any) -> Iterator[Any]:
+        """Messages until the caller stops; ``waiting()`` names what is still awaited (for the deadline's error)."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            try:
+                yield self.queue.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise self.error(f"{self.name} {dead[0]} exited with code {self.procs[dead[0]].exitcode}"
+                                     ) from None
+                if time.monotonic() > deadline:
+                    raise self.error(f"no answer within {deadline_s:.0f} s; still waiting for {waiting()}") from None
+
+
 def run_local(job: Job | TrainConfig, *, return_state: bool = False, timeout_s: float | None = None) -> LocalResult:
     """Run a job with one process per worker (forked from a preloaded forkserver); raise :class:`WorkerError` if
     any fails. A config is checked first."""
@@ -133,32 +180,14 @@ def run_local(job: Job | TrainConfig, *, return_state: bool = False, timeout_s: 
     cfg, t = job.cfg, job.cfg.training
     world = job.world_size
     packed = cloudpickle.dumps(job)
-    ctx = forkserver_context()
-    out = ctx.Queue()
     limit = timeout_s if timeout_s is not None else t.timeout_s * (t.steps + 2) + 120
+    steps: dict[int, list[StepResult]] = {}
+    states: dict[int, Any] = {}
+    done: set[int] = set()
     with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{tmp}/rendezvous"
-        procs = [ctx.Process(target=_worker_main, args=(packed, r, world, init, out, return_state), daemon=True)
-                 for r in range(world)]
-        with main_not_rerun():
-            for p in procs:
-                p.start()
-        steps: dict[int, list[StepResult]] = {}
-        states: dict[int, Any] = {}
-        done: set[int] = set()
-        deadline = time.monotonic() + limit
-        try:
-            while len(done) < world:
-                try:
-                    kind, rank, payload = out.get(timeout=1.0)
-                except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
-                    if dead:
-                        raise WorkerError(f"worker {dead[0]} exited with code {procs[dead[0]].exitcode}") from None
-                    if time.monotonic() > deadline:
-                        raise WorkerError(f"run did not finish within {limit:.0f} s; workers still running: "
-                                          f"{sorted(set(range(world)) - done)}") from None
-                    continue
+        args = [(packed, r, world, f"file://{tmp}/rendezvous", return_state) for r in range(world)]
+        with LocalProcesses(_worker_main, args, WorkerError, "worker") as procs:
+            for kind, rank, payload in procs.messages(limit, lambda: f"workers {sorted(set(range(world)) - done)}"):
                 if kind == "error":
                     raise WorkerError(f"worker {rank} failed: {payload}")
                 if kind == "step":
@@ -167,12 +196,9 @@ def run_local(job: Job | TrainConfig, *, return_state: bool = False, timeout_s: 
                     states[rank] = torch.load(io.BytesIO(payload))
                 else:
                     done.add(rank)
-        finally:
-            for p in procs:
-                p.join(timeout=5 if len(done) == world else 0.5)
-                if p.is_alive():
-                    p.terminate()
-                    p.join(timeout=5)
+                    if len(done) == world:
+                        procs.finished = True
+                        break
     metrics = [summarize_step(cfg, steps[s]) for s in sorted(steps)]
     events = [e for s in sorted(steps) for r in steps[s] for e in r.events]
     return LocalResult(metrics, events, states)
