@@ -27,7 +27,8 @@ from chimera.job import Job
 from chimera.models import ChainError, LayerChain, build_model, partition
 from chimera.optim import OPTIMIZERS
 from chimera.optim import SCHEDULES as LR_SCHEDULES
-from chimera.schedule import CHIMERA_MODES, ScheduleConfigError, build_schedule, lower, validate
+from chimera.schedule import (CHIMERA_MODES, OFFLOAD_POLICIES, Offload, Schedule, ScheduleConfigError, build_schedule,
+                              lower, validate)
 
 PAYLOADS = ("full", "single-byte")
 
@@ -77,7 +78,9 @@ class TrainingConfig:
     amp: bool = True
     timeout_s: float = 120.0
     threads: int | None = None
-    memory_per_worker: str | None = None  # e.g. "80GiB": the planner's memory limit
+    memory_per_worker: str | None = None  # e.g. "80GiB": the planner's memory limit and the runtime's budget
+    offload: str = "none"  # none, optimizer, optimizer+gradients, everything, auto (the least that fits)
+    prefetch: int = 1  # weights offloaded: swap a stage's weights in this many compute actions ahead
     check_replicas: bool = False
     debug_stall: tuple[int, float] | None = None  # (worker rank, seconds): fault injection for timeout tests
 
@@ -190,7 +193,28 @@ class TrainConfig:
             boundaries = chain.boundaries(unit)
         except ChainError as e:
             raise ConfigError(str(e)) from None
-        return Job(self, chain, data, validate(lower(sched)), stage_layers, boundaries, prediction)
+        cfg, lowered = self._fit_memory(chain, sched, stage_layers, unit)
+        return Job(cfg, chain, data, validate(lowered), stage_layers, boundaries, prediction)
+
+    def _fit_memory(self, chain: LayerChain, sched: Schedule, stage_layers: list[list[int]], unit: int
+                    ) -> tuple[TrainConfig, Schedule]:
+        """The schedule lowered with the offload policy; with ``--memory-per-worker``, priced by the memory model
+        on the chain's shapes and refused when it cannot fit (``--offload auto``: the least offload that fits)."""
+        t = self.training
+        if t.memory_per_worker is None:
+            return self, lower(sched, Offload(t.offload, t.prefetch))
+        from chimera.plan.memory import parse_bytes
+        from chimera.plan.search import fit_offload
+        from chimera.profile.shapes import shapes_profile
+
+        policies = OFFLOAD_POLICIES if t.offload == "auto" else (t.offload,)
+        try:
+            off, lowered, _ = fit_offload(shapes_profile(chain, unit), sched, stage_layers, unit, t.optimizer,
+                                          t.recompute, parse_bytes(t.memory_per_worker), policies, t.prefetch,
+                                          exchange=t.device == "cpu")
+        except ValueError as e:
+            raise ConfigError(f"--memory-per-worker {t.memory_per_worker}: {e}") from None
+        return self.with_flags(offload=off.policy), lowered
 
 
 def _need(ok: bool, message: str) -> None:
@@ -217,6 +241,14 @@ def _check_fields(cfg: TrainConfig) -> None:
     _need(t.timeout_s > 0, f"--timeout must be > 0 seconds, got {t.timeout_s}")
     _need(t.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {t.clip_grad}")
     _need(t.threads is None or t.threads >= 1, f"--threads must be >= 1, got {t.threads}")
+    _need(t.offload in (*OFFLOAD_POLICIES, "auto"),
+          f"--offload must be one of {', '.join((*OFFLOAD_POLICIES, 'auto'))}, got {t.offload!r}")
+    _need(t.prefetch >= 0, f"--prefetch must be >= 0 compute actions, got {t.prefetch}")
+    _need(t.offload != "auto" or t.memory_per_worker is not None,
+          "--offload auto chooses the least offload that fits --memory-per-worker: give that budget too")
+    _need(t.offload in ("none", "optimizer") or t.device == "cpu",
+          f"--offload {t.offload} sums offloaded gradients over host buffers, which NCCL cannot do yet: use --offload "
+          "optimizer on --device cuda")
     if t.memory_per_worker is not None:
         from chimera.plan.memory import parse_bytes
 

@@ -13,7 +13,7 @@ import argparse
 from chimera.config import FLAT, PAYLOADS, TrainConfig
 from chimera.optim import OPTIMIZERS
 from chimera.optim import SCHEDULES as LR_SCHEDULES
-from chimera.schedule import CHIMERA_MODES
+from chimera.schedule import CHIMERA_MODES, OFFLOAD_POLICIES
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +51,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", dest="timeout_s", type=float, default=t.timeout_s,
                    help="seconds any blocking wait may take before the run fails")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
-    p.add_argument("--memory-per-worker", default=None, help="memory limit per worker for planning, e.g. 16GiB")
+    p.add_argument("--memory-per-worker", default=None,
+                   help="device memory budget per worker, e.g. 16GiB: the planner's limit, checked before the run "
+                        "starts and by the runtime after every step")
+    p.add_argument("--offload", default=t.offload, choices=(*OFFLOAD_POLICIES, "auto"),
+                   help="keep in host memory: the optimizer state (optimizer), also the gradients "
+                        "(optimizer+gradients), also the weights, swapped in before use (everything); auto: the "
+                        "least that fits --memory-per-worker")
+    p.add_argument("--prefetch", type=int, default=t.prefetch,
+                   help="weights offloaded: swap a stage's weights in this many compute actions ahead")
     p.add_argument("--plan", default=None, help="train a plan: a file from chimera plan, or 'auto' (profile briefly, "
                    "then plan for --stages x --data-parallel workers and this global batch)")
     p.add_argument("--profile", action="store_true", help="record per-action timeline events and write "

@@ -33,12 +33,14 @@ def build_optimizer(
     weight_decay: float = 0.01,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-6,
+    host: bool = False,
 ) -> torch.optim.Optimizer:
     """Optimizer ``name`` over ``params`` (tensors or param-group dicts).
 
     ``"lamb"``: apex ``FusedLAMB`` when apex imports and every parameter is on CUDA, otherwise
     ``pytorch_optimizer.Lamb``; neither clips internally (clip with :func:`clip_grad_norm_global`).
-    ``"adamw"``: ``torch.optim.AdamW``. ``"sgd"``: plain ``torch.optim.SGD`` (no momentum; ``weight_decay``
+    ``"adamw"``: ``torch.optim.AdamW`` (``host``: offloaded state on CPU tensors, torch's fused CPU kernel; no
+    fused CPU Adam of another library is installed). ``"sgd"``: plain ``torch.optim.SGD`` (no momentum; ``weight_decay``
     applies), exact and cheap for parity tests.
     """
     params = list(params)
@@ -53,7 +55,7 @@ def build_optimizer(
 
         return Lamb(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=0.0)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=host or None)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")

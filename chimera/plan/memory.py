@@ -13,6 +13,10 @@ Per unit and stage: without recomputation the stash is what the stage's layers s
 (``stash_bytes``); with it, the stage's input (and, while one backward recomputes, that unit's full stash).
 Gradient sums: a flat copy of the stage's gradients from the sum's start to the optimizer step, and on gloo
 for a pair of replicas also the peer's bucket, received into a buffer posted when the step starts.
+
+With offload (a schedule lowered with ``Offload``) the device holds no optimizer state, gradients only from a
+backward to their GRAD_OUT (gradient sums then run over host buffers), and, with weights offloaded, a stage's
+weights only from its SWAP_IN to its SWAP_OUT.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from chimera.profile import Profile
-from chimera.schedule import Kind, Schedule
+from chimera.schedule import Kind, Offload, Schedule
 
 GiB = 2**30
 
@@ -101,27 +105,40 @@ class MemoryWalk:
                 unit[(k, c)] = tuple(c if i == k else 0 for i in range(n))
             return unit[(k, c)]
 
+        def put(vec: tuple[int, ...], k: int, v: int) -> tuple[int, ...]:
+            return tuple(v if i == k else x for i, x in enumerate(vec))
+
         live = [0] * n
         grads, flats = zero, zero
+        row = schedule.actions[w]
+        evicted = {(a.pipe, a.stage) for a in row if a.kind is Kind.SWAP_OUT}  # weights offloaded: start off device
+        resident = tuple(int(ps not in evicted) for ps in pairs)
         states: set[tuple[tuple[int, ...], ...]] = set()
-        for a in schedule.actions[w]:
+        for a in row:
             kind = a.kind
             if kind is Kind.F:  # its output waits to be sent (its received input is now part of the stash)
                 k = slot[(a.pipe, a.stage)]
                 live[k] += a.count
-                states.add((tuple(live), grads, zero, at(k, a.count), zero, flats))
+                states.add((tuple(live), grads, zero, at(k, a.count), zero, flats, resident))
             elif kind is Kind.B:  # the output gradient in, the input gradient out; recomputing, a transient
                 k = slot[(a.pipe, a.stage)]
-                grads = tuple(1 if i == k else g for i, g in enumerate(grads))
+                grads = put(grads, k, 1)
                 c = at(k, a.count)
-                states.add((tuple(live), grads, c, c, c, flats))
+                states.add((tuple(live), grads, c, c, c, flats, resident))
                 live[k] -= a.count
             elif kind is Kind.ALLREDUCE_START:
                 k = slot[(a.pipe, a.stage)]
-                flats = tuple(1 if i == k else f for i, f in enumerate(flats))
-                states.add((tuple(live), grads, zero, zero, zero, flats))
+                flats = put(flats, k, 1)
+                states.add((tuple(live), grads, zero, zero, zero, flats, resident))
+            elif kind is Kind.SWAP_IN:
+                resident = put(resident, slot[(a.pipe, a.stage)], 1)
+                states.add((tuple(live), grads, zero, zero, zero, flats, resident))
+            elif kind is Kind.SWAP_OUT:
+                resident = put(resident, slot[(a.pipe, a.stage)], 0)
+            elif kind is Kind.GRAD_OUT:
+                grads = put(grads, slot[(a.pipe, a.stage)], 0)
         if not schedule.lowered:  # the step's end: every stage's gradient sum started (a lowered list says when)
-            states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups)))
+            states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident))
         return held, groups, _maximal(states)
 
 
@@ -142,36 +159,46 @@ def _maximal(states: set[tuple[tuple[int, ...], ...]]) -> list[tuple[tuple[int, 
 
 
 def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
-                  optimizer: str, recompute: bool, exchange: bool = True, walk: MemoryWalk | None = None
-                  ) -> list[WorkerMemory]:
+                  optimizer: str, recompute: bool, exchange: bool = True, walk: MemoryWalk | None = None,
+                  offload: Offload | None = None) -> list[WorkerMemory]:
     """Peak bytes of every worker of one data-parallel group (module docstring).
 
     ``schedule``: compute-only or lowered (``walk``: its :class:`MemoryWalk`, when already made); ``exchange``:
     gloo, where a pair of replicas sums gradients by exchanging buckets (the peer's bucket lands in a buffer
-    posted at the step's start).
+    posted at the step's start); ``offload``: the policy the schedule was lowered with.
     """
     stages = _stages(profile, stage_layers, unit, optimizer, recompute)
     walk = walk or MemoryWalk(schedule)
-    return [_worker(held, groups, states, stages, exchange) for held, groups, states in walk.workers]
+    off = offload or Offload()
+    return [_worker(held, groups, states, stages, exchange, off) for held, groups, states in walk.workers]
 
 
 def _worker(held: list[int], groups: list[int], states: set[tuple[tuple[int, ...], ...]], stages: list[_Stage],
-            exchange: bool) -> WorkerMemory:
+            exchange: bool, offload: Offload) -> WorkerMemory:
     st = [stages[s] for s in held]
-    params = sum(x.params for x in st)
-    opt = sum(x.optimizer for x in st)
-    preposted = sum(x.bucket for x, n in zip(st, groups) if exchange and n == 2)
+    opt = 0 if offload.optimizer else sum(x.optimizer for x in st)
+    device_sync = not offload.gradients  # offloaded gradients are summed over host buffers
+    preposted = sum(x.bucket for x, n in zip(st, groups) if exchange and n == 2) if device_sync else 0
     extra = [x.full_stash if x.stash != x.full_stash else 0 for x in st]  # a recomputing backward's transient
-    peak, peak_total = WorkerMemory(params, opt, 0, 0, 0, preposted), 0
-    for live, grads, transient, out, inn, flats in states:
+    peak, peak_total = WorkerMemory(0, opt, 0, 0, 0, preposted), 0
+    for live, grads, transient, out, inn, flats, resident in states:
+        params = sum(x.params for r, x in zip(resident, st) if r)
         act = sum(c * x.stash + t * e for c, t, x, e in zip(live, transient, st, extra))
         g = sum(x.params for f, x in zip(grads, st) if f)
         msgs = sum(o * x.msg_out + i * x.msg_in for o, i, x in zip(out, inn, st))
-        sync = preposted + sum(x.bucket for f, x, n in zip(flats, st, groups) if f and n > 1)
+        sync = preposted + sum(x.bucket for f, x, n in zip(flats, st, groups) if f and n > 1 and device_sync)
         total = params + opt + g + act + msgs + sync
         if total > peak_total:
             peak_total, peak = total, WorkerMemory(params, opt, g, act, msgs, sync)
     return peak
+
+
+def swap_bytes(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]]) -> list[int]:
+    """Bytes every worker of a schedule lowered with offload moves between host and device in a step: a stage's
+    weights per SWAP_IN, its gradients per GRAD_OUT (every parameter of a stage gets a gradient)."""
+    stages = _stages(profile, stage_layers, profile.micro_batch_sizes[0], "sgd", False)
+    moving = (Kind.SWAP_IN, Kind.GRAD_OUT)
+    return [sum(stages[a.stage].params for a in row if a.kind in moving) for row in schedule.actions]
 
 
 def parse_bytes(text: str) -> int:

@@ -18,9 +18,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from chimera.plan.memory import WorkerMemory, worker_memory
 from chimera.plan.partition import PartitionResult, plan_partition
 from chimera.profile import Profile
-from chimera.schedule import Schedule, ScheduleConfigError, build_schedule
+from chimera.schedule import OFFLOAD_POLICIES, Offload, Schedule, ScheduleConfigError, build_schedule, lower
 
 SCHEDULES = (("gpipe", "direct"), ("1f1b", "direct"), ("interleaved", "direct"), ("chimera", "direct"),
              ("chimera", "doubling"), ("chimera", "halving"))
@@ -209,3 +210,28 @@ def _evaluate(profile: Profile, c: Candidate, sched: Schedule, memory_limit: int
     samples = c.micro_batch_size * c.micro_batches * c.data_parallel
     return Evaluated(c, part.step_s, samples / part.step_s if part.step_s else None, part.bubble, peak, part.sizes,
                      exact=exact)
+
+
+def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
+                optimizer: str, recompute: bool, budget: int, policies: Sequence[str] = OFFLOAD_POLICIES,
+                prefetch: int = 1, exchange: bool = True) -> tuple[Offload, Schedule, list[WorkerMemory]]:
+    """The first of ``policies`` (least offload first) whose every worker fits ``budget`` bytes, the compute-only
+    ``schedule`` lowered with it, and the workers' peaks; ValueError naming the bytes needed against the budget
+    and what to change when none fits."""
+    tried = []
+    for policy in policies:
+        off = Offload(policy, prefetch)
+        lowered = lower(schedule, off)
+        mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off)
+        w = max(range(len(mem)), key=lambda i: mem[i].total)
+        if mem[w].total <= budget:
+            return off, lowered, mem
+        m = mem[w]
+        tried.append(f"--offload {policy}: {m.total} bytes ({m.total / 2**20:.1f} MiB) on worker {w}: parameters "
+                     f"{m.params}, optimizer state {m.optimizer}, gradients {m.grads}, activations {m.activations}, "
+                     f"messages {m.messages}, gradient sums {m.sync}")
+    more = [p for p in OFFLOAD_POLICIES[OFFLOAD_POLICIES.index(policies[-1]) + 1:]]
+    hint = f"--offload {more[-1]} or auto, " if more else ""
+    raise ValueError(f"the configuration needs more than the budget of {budget} bytes ({budget / 2**20:.1f} MiB) per "
+                     f"worker: {'; '.join(tried)}. Change: {hint}more stages (--stages), --recompute, a smaller "
+                     "--micro-batch-size or --prefetch, or a larger --memory-per-worker")

@@ -19,6 +19,7 @@ from chimera.data import Units
 from chimera.job import Job
 from chimera.microbatch import cat, map_tensors, split
 from chimera.models import StageModule, TensorSpec
+from chimera.runtime.offload import HostStore
 from chimera.runtime.step_state import Slot, Stashed, StepState
 from chimera.schedule import Action
 from chimera.schedule.kinds import Msg, Res
@@ -28,7 +29,8 @@ class StageCompute:
     """Forward and backward of the stage replicas ``modules`` of one worker."""
 
     def __init__(self, job: Job, modules: dict[tuple[str, int], StageModule], worker: int, dp_rank: int,
-                 device: torch.device, autocast: AbstractContextManager[Any], keep_saved: bool = False) -> None:
+                 device: torch.device, autocast: AbstractContextManager[Any], keep_saved: bool = False,
+                 store: HostStore | None = None) -> None:
         self.job = job
         self.schedule = job.schedule
         self.modules = modules
@@ -38,6 +40,9 @@ class StageCompute:
         self.autocast = autocast
         self.recompute = job.cfg.training.recompute
         self.keep_saved = keep_saved  # collect autograd's saved tensors for the memory ledger
+        # weights offloaded: saved weights become references, resolved against the copy swapped in for the backward
+        self.store = store if store is not None and store.offload.weights else None
+        self.wait = store.wait if store is not None else None  # a stage's swap-in (GPU copy stream)
         self.units: Units = job.units()
         # per-unit mean losses summed with 1/(units x W): gradients equal those of the whole mini-batch's mean
         self.loss_scale = 1.0 / (self.schedule.microbatches * self.schedule.data_parallel)
@@ -46,6 +51,8 @@ class StageCompute:
     def forward(self, a: Action, st: StepState) -> None:
         """Run the forward of ``a``'s micro-batches; stash each; hand the outputs to the next stage."""
         mod = self.modules[(a.pipe, a.stage)]
+        if self.wait:
+            self.wait((a.pipe, a.stage))
         xs = self._inputs(a, st, mod)
         specs = self.job.stage_inputs(a.stage + 1) if not mod.is_last else []
         outs = []
@@ -59,7 +66,7 @@ class StageCompute:
                 st.stash[Slot(a.pipe, a.stage, mb)] = Stashed(x, None, data, rng)
             else:
                 saved: list[torch.Tensor] = []
-                with self.autocast, _saving(saved if self.keep_saved else None):
+                with self.autocast, _saving(saved if self.keep_saved else None, self.store):
                     out = mod(x, inputs=inputs, labels=labels)
                 st.stash[Slot(a.pipe, a.stage, mb)] = Stashed(x, out, data, saved=saved)
             if mod.is_last:
@@ -89,6 +96,8 @@ class StageCompute:
     def backward(self, a: Action, st: StepState) -> None:
         """Differentiate ``a``'s micro-batches; hand the input gradients to the previous stage."""
         mod = self.modules[(a.pipe, a.stage)]
+        if self.wait:
+            self.wait((a.pipe, a.stage))
         grads = self._output_grads(a, st, mod)
         in_specs = self.job.stage_inputs(a.stage)
         out_specs = self.job.stage_inputs(a.stage + 1) if not mod.is_last else []
@@ -118,7 +127,7 @@ class StageCompute:
         inputs, labels = saved.data if saved.data is not None else (None, None)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             _set_rng_state(saved.rng, self.device)
-            with self.autocast:
+            with self.autocast, _saving(None, self.store):
                 return mod(saved.inputs or None, inputs=inputs, labels=labels)
 
     def _hand_over(self, msg: Msg, tensors: tuple[torch.Tensor, ...], pipe: str, to_stage: int, st: StepState
@@ -130,16 +139,19 @@ class StageCompute:
             st.outbox[msg] = tuple(t.contiguous() for t in tensors)
 
 
-def _saving(into: list[torch.Tensor] | None) -> AbstractContextManager[Any]:
-    """Record the tensors autograd saves for the backward into ``into`` (nothing when None)."""
-    if into is None:
+def _saving(into: list[torch.Tensor] | None, store: HostStore | None = None) -> AbstractContextManager[Any]:
+    """Record the tensors autograd saves for the backward into ``into``; with ``store`` (weights offloaded) save
+    device weights as references (nothing when both are None)."""
+    if into is None and store is None:
         return nullcontext()
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        into.append(t)
-        return t
+    def pack(t: torch.Tensor) -> Any:
+        ref = store.pack(t) if store is not None else t
+        if into is not None and ref is t:
+            into.append(t)
+        return ref
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    return torch.autograd.graph.saved_tensors_hooks(pack, HostStore.unpack if store is not None else lambda t: t)
 
 
 def _fill(grads: tuple[torch.Tensor, ...], specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:

@@ -69,6 +69,8 @@ def summarize_step(cfg: TrainConfig, results: list[StepResult]) -> dict[str, Any
         "payload_sizes": {str(k): v for k, v in sorted(payloads.items())},
         **({"memory_peak_bytes": [r.memory for r in sorted(results, key=lambda r: r.rank)]}
            if results[0].memory else {}),
+        **({"swap_bytes": [r.swap_bytes for r in sorted(results, key=lambda r: r.rank)]}
+           if cfg.training.offload != "none" else {}),
     }
 
 

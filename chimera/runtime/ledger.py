@@ -5,6 +5,10 @@ of the tensors the runtime references (parameters, gradients, optimizer state, w
 backwards including the tensors autograd saved, messages waiting or in flight, gradient-sum buffers), each
 storage counted once, in the first category that holds it. The step's peak and its breakdown go into the
 step's result; the memory model (``chimera.plan.memory``) is checked against it.
+
+With ``--offload`` what the host store keeps (weights, gradient sums, the optimizer state, gradient sums in
+progress over host buffers) is host memory: reported as ``host``, outside the device total that
+``--memory-per-worker`` bounds (the worker checks the peak against it after every step).
 """
 
 from __future__ import annotations
@@ -29,23 +33,29 @@ class MemoryLedger:
         self.peak: dict[str, int] = {}
 
     def start_step(self) -> None:
-        self.peak = dict.fromkeys(("total", *CATEGORIES), 0)
+        self.peak = dict.fromkeys(("total", *CATEGORIES, "host"), 0)
 
     def observe(self, st: StepState) -> None:
         """Account for what is held now; keep the breakdown of the largest total so far."""
         seen: set[int] = set()
+        stages, host = self.stages, self.stages.host
+        sync = [t for b in stages.buckets.values() for t in b.held()]
+        on_host = [*host.held(), *_state_tensors(stages.optimizer)] if host else []
+        if host and host.offload.gradients:
+            on_host += sync
+        host_bytes = _bytes(on_host, seen)
         counts = {
-            "params": _bytes(self.stages.params, seen),
-            "optimizer": _bytes(_state_tensors(self.stages.optimizer), seen),
-            "grads": _bytes((p.grad for p in self.stages.params if p.grad is not None), seen),
+            "params": _bytes(stages.device_params, seen),
+            "optimizer": _bytes(_state_tensors(stages.optimizer), seen),
+            "grads": _bytes((p.grad for p in stages.device_params if p.grad is not None), seen),
             "activations": _bytes(_stash_tensors(st), seen),
             "messages": _bytes([*_tuples(st.inbox.values()), *_tuples(st.outbox.values()), *self.batches.held()],
                                seen),
-            "sync": _bytes((t for b in self.stages.buckets.values() for t in b.held()), seen),
+            "sync": _bytes(sync, seen),
         }
         total = sum(counts.values())
-        if total > self.peak.get("total", 0):
-            self.peak = {"total": total, **counts}
+        if total > self.peak.get("total", 0) or not self.peak.get("total"):
+            self.peak = {"total": total, **counts, "host": host_bytes}
 
 
 def _tuples(values: Iterable[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:

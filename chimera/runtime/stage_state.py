@@ -18,6 +18,8 @@ from chimera.models import StageModule, build_stage
 from chimera.optim import build_optimizer, clip_grad_norm_global, warmup_decay_schedule
 from chimera.runtime.comm import Communicator
 from chimera.runtime.grad_sync import GradBuckets
+from chimera.runtime.offload import HostStore
+from chimera.schedule import Offload
 
 StageKey = tuple[str, int]
 
@@ -37,26 +39,35 @@ class StageState:
     def __init__(self, job: Job, worker: int, dp_rank: int, device: torch.device, comm: Communicator) -> None:
         cfg, sched = job.cfg.training, job.schedule
         self.comm = comm
+        self.device = device
         self.modules: dict[StageKey, StageModule] = {
             (pipe, s): build_stage(job.chain, job.stage_layers[s], cfg.seed, device=device)
             for pipe, s in sched.stages_of(worker)}
+        offload = Offload(cfg.offload, cfg.prefetch) if cfg.offload != "none" else Offload()
+        # offloaded: the host store holds the current weights (the optimizer steps them) and, where gradients
+        # are offloaded, their sums; ``home``/``grad_home`` map a device parameter to where that lives
+        self.host = HostStore(self.modules, offload, device) if offload.optimizer else None
+        home = self.host.home if self.host else _same
+        grad_home = home if offload.gradients else _same
+        self.device_params = _unique(p for mod in self.modules.values() for p in mod.parameters())
         self.tied: list[torch.nn.Parameter] = []
         if comm.tied_group is not None:
             for pair in job.chain.tied_parameters():
                 for mod in self.modules.values():
                     for layer_idx, name in pair:
                         if layer_idx in mod.indices:
-                            self.tied.append(mod.layers[mod.indices.index(layer_idx)].get_parameter(name))
+                            self.tied.append(home(mod.layers[mod.indices.index(layer_idx)].get_parameter(name)))
         tied_ids = {id(p) for p in self.tied}
         self.buckets: dict[StageKey, GradBuckets] = {}
         for (pipe, s), mod in self.modules.items():
             if s in comm.stage_groups:
-                params = [p for p in _unique(mod.parameters()) if id(p) not in tied_ids]
+                params = [grad_home(p) for p in _unique(mod.parameters()) if id(home(p)) not in tied_ids]
                 self.buckets[(pipe, s)] = GradBuckets(params, comm.stage_groups[s], comm, sched.stage_group(s))
-        self.params = _unique(p for mod in self.modules.values() for p in mod.parameters())
-        self.norm_params = self._norm_params(job, dp_rank)
+        self.params = [home(p) for p in self.device_params]
+        self.norm_params = [home(p) for p in self._norm_params(job, dp_rank)]
         self.clip = cfg.clip_grad
-        self.optimizer = build_optimizer(self.params, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = build_optimizer(self.params, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                         host=self.host is not None)
         self.lr_schedule = warmup_decay_schedule(self.optimizer, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps),
                                                  cfg.lr_schedule)
 
@@ -78,6 +89,8 @@ class StageState:
 
     def start_step(self) -> None:
         """Post what the gradient sums can post before the step's compute (exchange receives on gloo)."""
+        if self.host:
+            self.host.start_step()
         for buckets in self.buckets.values():
             buckets.prepost()
 
@@ -86,15 +99,15 @@ class StageState:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.tied:
-            total = torch.stack([p.grad for p in self.tied]).sum(0)
+        if self.tied:  # (offloaded: the sums travel through the device, where the process group works)
+            total = torch.stack([p.grad for p in self.tied]).sum(0).to(self.device)
             total = self.comm.allreduce(total, self.comm.tied_group, f"tied-weight gradient sum in step {step}")
             for p in self.tied:
                 p.grad.copy_(total)
         norm = 0.0
         if self.clip > 0:
             def allreduce(sq: torch.Tensor) -> torch.Tensor:
-                return self.comm.allreduce(sq, None, f"global gradient norm in step {step}")
+                return self.comm.allreduce(sq.to(self.device), None, f"global gradient norm in step {step}")
 
             norm = clip_grad_norm_global(self.params, self.clip, allreduce, self.norm_params)
         self.optimizer.step()
@@ -104,7 +117,12 @@ class StageState:
 
     def state(self) -> dict[StageKey, dict[str, torch.Tensor]]:
         """CPU copies of every stage replica's parameters, keyed by (pipe, stage)."""
-        return {k: {n: p.detach().cpu().clone() for n, p in mod.named_parameters()} for k, mod in self.modules.items()}
+        return {k: {n: self._current(p).detach().cpu().clone() for n, p in mod.named_parameters()}
+                for k, mod in self.modules.items()}
+
+    def _current(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        """Where the current value of ``p`` lives: its host copy when offloaded (the device may hold none)."""
+        return self.host.home(p) if self.host else p
 
     def digests(self) -> dict[StageKey, str]:
         """SHA-256 of every stage replica's parameters: equal digests mean bitwise-equal replicas."""
@@ -112,9 +130,13 @@ class StageState:
         for key, mod in self.modules.items():
             h = hashlib.sha256()
             for p in mod.parameters():
-                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(self._current(p).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
             out[key] = h.hexdigest()
         return out
+
+
+def _same(p: torch.nn.Parameter) -> torch.nn.Parameter:
+    return p
 
 
 def _unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

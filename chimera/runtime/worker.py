@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from chimera.job import Job
+from chimera.plan.memory import parse_bytes
 from chimera.runtime.comm import CommBatches, Communicator
 from chimera.runtime.compute import StageCompute
 from chimera.runtime.executor import Executor, Handler, segments
@@ -53,6 +54,7 @@ class StepResult:
     digests: dict[tuple[str, int], str] = field(default_factory=dict)
     payloads: dict[int, int] = field(default_factory=dict)  # bytes per message/allreduce -> how many
     memory: dict[str, int] = field(default_factory=dict)  # peak bytes held and its breakdown (--profile-memory)
+    swap_bytes: int = 0  # bytes moved between host and device (--offload)
 
 
 class PipelineWorker:
@@ -88,9 +90,10 @@ class PipelineWorker:
         self.stages = StageState(self.job, self.worker, self.dp_rank, self.device, self.comm)
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if t.amp and self.device.type == "cuda"
                     else nullcontext())
-        account = self.cfg.profiling.memory
+        self.budget = parse_bytes(t.memory_per_worker) if t.memory_per_worker else None
+        account = self.cfg.profiling.memory or self.budget is not None
         self.compute = StageCompute(self.job, self.stages.modules, self.worker, self.dp_rank, self.device, autocast,
-                                    keep_saved=account)
+                                    keep_saved=account, store=self.stages.host)
         segs = segments(sched.actions[self.worker])
         self.batches = CommBatches(self.comm, self.job, self.worker, segs, self.device, self._what)
         handlers: dict[Kind, Handler] = {
@@ -100,6 +103,11 @@ class PipelineWorker:
             Kind.ALLREDUCE_WAIT: lambda a, st: self.stages.buckets[(a.pipe, a.stage)].wait(self._what(a, st.step)),
             Kind.OPTIMIZER_STEP: self._optimizer_step,
         }
+        if self.stages.host:
+            host = self.stages.host
+            handlers[Kind.SWAP_IN] = lambda a, st: host.swap_in((a.pipe, a.stage))
+            handlers[Kind.SWAP_OUT] = lambda a, st: host.swap_out((a.pipe, a.stage))
+            handlers[Kind.GRAD_OUT] = lambda a, st: host.grads_out((a.pipe, a.stage))
         self.executor = Executor(segs, handlers, self.batches, self.name)
         self.ledger = MemoryLedger(self.stages, self.batches) if account else None
         self.recorder = (EventRecorder(self.rank, self.device, sched.bidirectional)
@@ -122,12 +130,18 @@ class PipelineWorker:
         if self.ledger:
             self.ledger.start_step()
         self.executor.run(st, rec, self.ledger)
+        if self.budget is not None and self.ledger and self.ledger.peak["total"] > self.budget:
+            held = ", ".join(f"{k} {v}" for k, v in self.ledger.peak.items() if k != "total")
+            raise RuntimeError(f"{self.name}: held {self.ledger.peak['total']} bytes on the device in step {step}, "
+                               f"more than --memory-per-worker ({self.budget} bytes): {held}; raise the budget or "
+                               "offload more (--offload)")
         events = rec.finish() if rec else []
         loss_sum = float(st.loss_sum)
         elapsed = time.perf_counter() - t_start
         digests = self.stages.digests() if self.cfg.training.check_replicas else {}
         return StepResult(step, self.rank, loss_sum, st.loss_count, elapsed, st.grad_norm, events, digests,
-                          self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {})
+                          self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {},
+                          self.stages.host.moved if self.stages.host else 0)
 
     def _optimizer_step(self, a: Action, st: StepState) -> None:
         self.batches.wait_sends()

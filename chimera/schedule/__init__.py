@@ -12,12 +12,12 @@ from chimera.schedule.generators import (
 )
 from chimera.schedule.io import from_csv, from_json, to_csv, to_json
 from chimera.schedule.ir import DOWN, UP, Action, Kind, Schedule
-from chimera.schedule.lowering import add_grad_sync, add_optimizer_step, add_p2p, lower
+from chimera.schedule.lowering import OFFLOAD_POLICIES, Offload, add_grad_sync, add_optimizer_step, add_p2p, lower
 from chimera.schedule.simulate import Costs, SimResult, simulate
 from chimera.schedule.validate import ScheduleError, format_grid, validate
 
 __all__ = [
-    "CHIMERA_MODES", "DOWN", "SCHEDULES", "UP", "Action", "Costs", "Kind", "Schedule", "ScheduleConfigError",
+    "CHIMERA_MODES", "DOWN", "OFFLOAD_POLICIES", "Offload", "SCHEDULES", "UP", "Action", "Costs", "Kind", "Schedule", "ScheduleConfigError",
     "ScheduleError", "SimResult", "add_grad_sync", "add_optimizer_step", "add_p2p", "build_schedule", "chimera",
     "format_grid", "from_csv", "from_json", "gpipe", "interleaved_1f1b", "lower", "one_f_one_b", "simulate",
     "to_csv", "to_json", "validate",

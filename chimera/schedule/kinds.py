@@ -42,6 +42,9 @@ class Kind(str, Enum):
     ALLREDUCE_START = "ALLREDUCE_START"
     ALLREDUCE_WAIT = "ALLREDUCE_WAIT"
     OPTIMIZER_STEP = "OPTIMIZER_STEP"
+    SWAP_IN = "SWAP_IN"
+    SWAP_OUT = "SWAP_OUT"
+    GRAD_OUT = "GRAD_OUT"
 
     @property
     def spec(self) -> KindSpec:
@@ -69,6 +72,7 @@ class Role(Enum):
     SYNC_START = "sync_start"  # non-blocking start of a stage group's gradient sum
     SYNC_WAIT = "sync_wait"  # blocks until every replica of the stage started the sum
     UPDATE = "update"  # the optimizer step
+    COPY = "copy"  # moves a stage replica's weights or gradients between host and device memory (offload)
 
 
 class Res(str, Enum):
@@ -138,6 +142,11 @@ SPECS: dict[Kind, KindSpec] = {
                                    cost="allreduce"),
     Kind.ALLREDUCE_WAIT: KindSpec("gradient allreduce wait", "AR_WAIT", Role.SYNC_WAIT, Address.STAGE),
     Kind.OPTIMIZER_STEP: KindSpec("optimizer step", "OPT", Role.UPDATE, Address.NONE, cost="optimizer"),
+    # offload (chimera.schedule.lowering.add_offload): the host holds the current weights, so a swap-out only
+    # releases the device copy; gradients move out and are summed on the host
+    Kind.SWAP_IN: KindSpec("weights swap-in", "SWAP_IN", Role.COPY, Address.STAGE, cost="swap_in"),
+    Kind.SWAP_OUT: KindSpec("weights swap-out", "SWAP_OUT", Role.COPY, Address.STAGE),
+    Kind.GRAD_OUT: KindSpec("gradients swap-out", "GRAD_OUT", Role.COPY, Address.STAGE, cost="swap_out"),
 }
 
 missing = [k for k in Kind if k not in SPECS]

@@ -10,9 +10,13 @@ Each pass takes and returns a :class:`Schedule`; :func:`lower` applies them in o
   worker (after the communication batch that follows it, so that a batch is never split), ALLREDUCE_WAIT for every started stage at the end. Only where
   the stage group (all replicas over both pipes and W groups) has more than one member.
 * :func:`add_optimizer_step`: OPTIMIZER_STEP as the last action of every worker.
+* :func:`add_offload`: the swap actions of an :class:`Offload` policy (weights in before they are used,
+  ``prefetch`` compute actions ahead, and out after; gradients out after every backward or before the step).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from chimera.schedule.ir import Action, Schedule, _replace
 from chimera.schedule.kinds import SPECS, TRANSFER, Kind, Res, Role, neighbour
@@ -85,6 +89,92 @@ def add_optimizer_step(schedule: Schedule) -> Schedule:
     return _replace(schedule, actions=[[*row, Action(Kind.OPTIMIZER_STEP)] for row in schedule.actions], lowered=True)
 
 
-def lower(schedule: Schedule) -> Schedule:
-    """Apply all lowering passes: p2p, gradient sync, optimizer step."""
-    return add_optimizer_step(add_grad_sync(add_p2p(schedule)))
+OFFLOAD_POLICIES = ("none", "optimizer", "optimizer+gradients", "everything")
+
+
+@dataclass(frozen=True)
+class Offload:
+    """What lives in host memory instead of on the device, and how far ahead weights are swapped in.
+
+    ``optimizer``: the optimizer state (and the step, on the host's copy of the weights); ``optimizer+gradients``:
+    also the gradients (moved out after every backward, summed on the host); ``everything``: also the weights,
+    on the device only from their swap-in, ``prefetch`` compute actions before they are used, until the last
+    of those uses.
+    """
+
+    policy: str = "none"
+    prefetch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.policy not in OFFLOAD_POLICIES:
+            raise ValueError(f"offload policy must be one of {', '.join(OFFLOAD_POLICIES)}, got {self.policy!r}")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch depth must be >= 0, got {self.prefetch}")
+
+    @property
+    def optimizer(self) -> bool:
+        return self.policy != "none"
+
+    @property
+    def gradients(self) -> bool:
+        return self.policy in ("optimizer+gradients", "everything")
+
+    @property
+    def weights(self) -> bool:
+        return self.policy == "everything"
+
+
+def add_offload(schedule: Schedule, offload: Offload) -> Schedule:
+    """Insert the swap actions of ``offload`` into a lowered schedule (after :func:`add_optimizer_step`).
+
+    Gradients offloaded: GRAD_OUT right after every backward (so before its stage's gradient sum starts), else
+    GRAD_OUT of every stage replica before the optimizer step. Weights kept on the device: SWAP_IN of every
+    stage replica (the updated weights) after the optimizer step. Weights offloaded: before compute action n
+    (and its receives), SWAP_IN of the stages that actions
+    n..n+prefetch use and the device lacks; right after it, SWAP_OUT of its stage unless one of the
+    next ``max(1, prefetch)`` compute actions uses it.
+    """
+    if not offload.optimizer:
+        return schedule
+    return _replace(schedule, actions=[_offload_row(row, offload) for row in schedule.actions])
+
+
+def _offload_row(row: tuple[Action, ...], offload: Offload) -> list[Action]:
+    compute = [i for i, a in enumerate(row) if a.kind.is_compute]
+    uses = [(row[i].pipe, row[i].stage) for i in compute]
+    before: dict[int, list[Action]] = {}
+    after: dict[int, list[Action]] = {}
+    resident: set[tuple[str, int]] = set()
+    for n, i in enumerate(compute):
+        start = i
+        while start > 0 and row[start - 1].kind.is_p2p:
+            start -= 1  # before the receives: never split a communication batch
+        end = i + 1  # right after the compute: its sends may share a batch with the next one's receives
+        if offload.weights:
+            for key in uses[n:n + offload.prefetch + 1]:
+                if key not in resident:
+                    resident.add(key)
+                    before.setdefault(start, []).append(Action(Kind.SWAP_IN, *key))
+        a = row[i]
+        if offload.gradients and Res.WGRAD in SPECS[a.kind].produces:
+            after.setdefault(end, []).append(Action(Kind.GRAD_OUT, a.pipe, a.stage))
+        if offload.weights and uses[n] not in uses[n + 1:n + max(1, offload.prefetch) + 1]:
+            resident.discard(uses[n])
+            after.setdefault(end, []).append(Action(Kind.SWAP_OUT, *uses[n]))
+    out: list[Action] = []
+    for i, a in enumerate(row):
+        out += after.get(i, []) + before.get(i, [])
+        if a.kind is Kind.OPTIMIZER_STEP:  # the step runs on the host's copies
+            held = sorted(dict.fromkeys(uses))
+            out += [Action(Kind.GRAD_OUT, p, s) for p, s in held if not offload.gradients]
+            out += [a] + [Action(Kind.SWAP_IN, p, s) for p, s in held if not offload.weights]
+            continue
+        out.append(a)
+    out += after.get(len(row), [])
+    return out
+
+
+def lower(schedule: Schedule, offload: Offload | None = None) -> Schedule:
+    """Apply all lowering passes: p2p, gradient sync, optimizer step, and the swaps of ``offload`` if given."""
+    lowered = add_optimizer_step(add_grad_sync(add_p2p(schedule)))
+    return add_offload(lowered, offload) if offload is not None else lowered

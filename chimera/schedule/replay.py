@@ -10,6 +10,7 @@ It runs every worker's list in order, as the runtime would, and times each actio
   later. A receive blocks until its message has arrived. (The runtime posts a run of consecutive
   send/recv actions as one batch, keeps the send handles and waits only for the receives; NCCL/gloo
   match messages of one channel in order, which the validator checks separately.)
+* A swap (role ``copy``) occupies its worker for its cost, like the optimizer step.
 * ALLREDUCE_START is non-blocking; the allreduce of a stage ends ``allreduce(stage)`` after the last
   replica started it. ALLREDUCE_WAIT blocks until then.
 
@@ -168,7 +169,8 @@ class _Build:
         """Per kind, from the table: its role's method, what it consumes, what it makes that others await."""
         by_role: dict[Role, Callable[[int, int, Action], tuple[Deps, int] | None]] = {
             Role.COMPUTE: self._compute, Role.SEND: self._send, Role.RECV: self._recv,
-            Role.SYNC_START: self._sync_start, Role.SYNC_WAIT: self._sync_wait, Role.UPDATE: self._update}
+            Role.SYNC_START: self._sync_start, Role.SYNC_WAIT: self._sync_wait, Role.UPDATE: self._update,
+            Role.COPY: self._update}  # a swap occupies its worker for its cost (copies are not modelled as hidden)
         unknown = {spec.role for spec in SPECS.values()} - set(by_role)
         if unknown:
             raise ValueError(f"replay has no rule for the role(s) {sorted(map(str, unknown))} of the kinds table")

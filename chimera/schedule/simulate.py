@@ -44,7 +44,8 @@ class Costs:
     ``p2p_latency + p2p_bytes / p2p_bandwidth`` is the time of one message (0 bandwidth: no byte term); per
     stage, ``p2p_bytes[s]`` is the size of stage s's output activation: an activation message made by stage s
     has that size, the gradient made by stage s (with respect to its input) that of stage s-1's output.
-    ``optimizer`` is the optimizer step.
+    ``optimizer`` is the optimizer step; ``swap_in`` / ``swap_out`` (per stage) a stage replica's weights
+    host -> device and gradients device -> host (offload).
     """
 
     fwd: Num | Sequence[Num] = 1
@@ -54,6 +55,8 @@ class Costs:
     p2p_bandwidth: Num = 0
     allreduce: Num | Sequence[Num] = 0
     optimizer: Num = 0
+    swap_in: Num | Sequence[Num] = 0
+    swap_out: Num | Sequence[Num] = 0
 
     def stage_value(self, value: Num | Sequence[Num], stage: int) -> Num:
         return value[stage] if isinstance(value, Sequence) else value
