@@ -384,7 +384,9 @@ def run(job: Job | TrainConfig, launch: LaunchConfig | None = None, *, out: str 
                         "data_parallel": s.data_parallel, "device": device, "comm_payload": cfg.profiling.comm_payload,
                         "training_result": cfg.is_training_result, "profile_steps": sorted({e.iteration for e in events}),
                         "clock_offsets_s": ray_job.clock_offsets, "clock_uncertainty_s": ray_job.clock_uncertainty,
-                        "clock": "CUDA events" if device == "cuda" else "CLOCK_MONOTONIC"}
+                        "clock": "CUDA events" if device == "cuda" else "CLOCK_MONOTONIC",
+                        **({"offload": job.cfg.training.offload, "swap_bytes_per_step": records[-1]["swap_bytes"]}
+                           if records and "swap_bytes" in records[-1] else {})}
                 paths = write_profile(cfg.run_name, events, job.schedule, job.world_size, meta, ray_job.profile_dir)
                 if progress:
                     print("profile: " + " ".join(str(p) for p in paths.values()))

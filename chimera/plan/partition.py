@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from chimera.plan.costs import simulator_costs
 from chimera.plan.memory import MemoryWalk, WorkerMemory, worker_memory
 from chimera.profile import Profile
-from chimera.schedule import Schedule, lower, simulate
+from chimera.schedule import Offload, Schedule, lower, simulate
 from chimera.splits import layers_of, min_max_split
 
 
@@ -63,7 +63,7 @@ def _climb(sizes: list[int], score: Callable[[list[int]], tuple[float, ...]], li
 
 def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: bool, optimizer: str,
                    memory_limit: int | None = None, exchange: bool = True, rounds: int = 8,
-                   simulated_up_to: int = 16, exact: bool = True) -> PartitionResult:
+                   simulated_up_to: int = 16, exact: bool = True, offload: Offload | None = None) -> PartitionResult:
     """The partition of ``profile``'s layers into ``schedule.stages`` stages with the least simulated step time
     whose every worker fits ``memory_limit`` bytes (when no partition fits, the one that needs least memory).
 
@@ -71,13 +71,15 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     keep the load-balanced partition, whose step the simulator then predicts once. ``exact``: simulate the
     lowered schedule (messages as actions, gradient sums, optimizer); otherwise, for a quick first ranking, the
     compute-only schedule (messages as delays) plus the largest stage's gradient sum, which the step's end waits
-    for."""
+    for. ``offload``: the schedule is lowered with its swaps (always: they decide memory) and priced with them."""
     n_layers, d = len(profile.layers), schedule.stages
     per_layer = [profile.stage_seconds([i], unit) for i in range(n_layers)]
     work = [t["forward"] + t["backward"] + (t["recompute"] if recompute else 0.0) for t in per_layer]
     holders = [[s for _, s in schedule.stages_of(w)] for w in range(schedule.workers)]
     compute_only = schedule.compute_only()
-    timed = lower(compute_only) if exact else compute_only  # prepared once, simulated per partition
+    offloaded = offload is not None and offload.optimizer
+    exact = exact or offloaded
+    timed = lower(compute_only, offload) if exact else compute_only  # prepared once, simulated per partition
     walk = MemoryWalk(timed)
 
     def load(sizes: list[int]) -> tuple[float, ...]:
@@ -87,7 +89,7 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
 
     def evaluate(sizes: list[int]) -> PartitionResult:
         layers = layers_of(sizes)
-        mem = worker_memory(profile, timed, layers, unit, optimizer, recompute, exchange, walk)
+        mem = worker_memory(profile, timed, layers, unit, optimizer, recompute, exchange, walk, offload)
         costs = simulator_costs(profile, layers, unit, recompute, schedule, optimizer)
         sim = simulate(timed, costs)
         tail = 0.0 if exact else max((costs.stage_value(costs.allreduce, s) for s in range(d)), default=0.0)

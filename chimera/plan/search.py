@@ -3,7 +3,9 @@
 For K workers and a global batch G it considers every schedule the runtime runs (GPipe, 1F1B, interleaved
 with two chunks per worker, Chimera in its three modes), every depth D dividing K (W = K / D), every profiled
 micro-batch size B with N = G / (B W) micro-batches, and recomputation where memory asks for it. A candidate the
-runtime cannot run, or whose best partition does not fit the memory limit, is kept with the reason. The others
+runtime cannot run, or whose best partition does not fit the memory limit, is kept with the reason; one that does
+not fit is tried again recomputing, then with the optimizer state, the gradients and the weights in host memory
+(offload, its swaps priced with the profile's host <-> device copy). The others
 are partitioned (``chimera.plan.partition``) and simulated with the profile's costs; a candidate whose lower
 bound (its busiest worker's compute) cannot beat the current top list is not simulated::
 
@@ -39,6 +41,7 @@ class Candidate:
     micro_batches: int
     recompute: bool
     chunks: int = 2
+    offload: str = "none"
 
     @property
     def unit(self) -> int:
@@ -49,12 +52,14 @@ class Candidate:
         """The training flags of this candidate (``TrainConfig.with_flags``)."""
         return {"schedule": self.schedule, "mode": self.mode, "stages": self.stages,
                 "data_parallel": self.data_parallel, "micro_batch_size": self.micro_batch_size,
-                "micro_batches": self.micro_batches, "recompute": self.recompute, "chunks": self.chunks}
+                "micro_batches": self.micro_batches, "recompute": self.recompute, "chunks": self.chunks,
+                "offload": self.offload}
 
     @property
     def label(self) -> str:
         name = self.schedule if self.schedule != "chimera" else f"chimera-{self.mode}"
-        return name + ("+recompute" if self.recompute else "")
+        return name + ("+recompute" if self.recompute else "") + (f"+offload-{self.offload}"
+                                                                  if self.offload != "none" else "")
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,12 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
             result.infeasible.append(ev)  # try the same configuration recomputing
             ev = _evaluate(profile, Candidate(**{**c.flags(), "recompute": True}), _schedule(c, built), memory_limit,
                            optimizer, exchange, rounds=0, exact=False)
+        for policy in OFFLOAD_POLICIES[1:]:  # then with ever more of its state in host memory
+            if ev.reason is None or "memory" not in ev.reason:
+                break
+            result.infeasible.append(ev)
+            ev = _evaluate(profile, Candidate(**{**ev.candidate.flags(), "offload": policy}), _schedule(c, built),
+                           memory_limit, optimizer, exchange, rounds=0, exact=False)
         if ev.reason is not None:
             result.infeasible.append(ev)
             continue
@@ -201,7 +212,7 @@ def _lower_bound(profile: Profile, c: Candidate, cache: dict[tuple[int, bool], t
 def _evaluate(profile: Profile, c: Candidate, sched: Schedule, memory_limit: int | None, optimizer: str,
               exchange: bool, rounds: int = 8, exact: bool = True) -> Evaluated:
     part: PartitionResult = plan_partition(profile, sched, c.unit, c.recompute, optimizer, memory_limit, exchange,
-                                           rounds=rounds, exact=exact)
+                                           rounds=rounds, exact=exact, offload=Offload(c.offload))
     peak = part.peak_memory
     if memory_limit is not None and peak > memory_limit:
         return Evaluated(c, peak_memory=peak, partition=part.sizes,

@@ -174,3 +174,27 @@ def measure_comm_local(world: int = 2, backend: str = "gloo", *, sizes: Sequence
                     procs.finished = True
                     break
     return fit_comm([results[r] for r in range(world)], backend, f"local {backend}, {world} processes")
+
+
+def measure_host_links(device: str = "cpu", sizes: Sequence[int] = (2**16, 2**20, 2**22, 2**24), reps: int = 3
+                       ) -> tuple[Link, Link]:
+    """Host -> device and device -> host copy time (``latency + bytes / bandwidth``), as offload's swaps copy:
+    from pinned host memory on GPU; on CPU a copy into a distinct tensor (the host store's "device" copy)."""
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    into, out = [], []
+    for size in sizes:
+        host = torch.empty(size // 4, dtype=torch.float32)
+        host = host.pin_memory() if cuda else host
+        on_device = torch.empty_like(host, device=dev)
+        for samples, dst, src in ((into, on_device, host), (out, host, on_device)):
+            for _ in range(reps + 1):
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                samples.append((size, time.perf_counter() - t0))
+            del samples[-reps - 1]  # the first copy warms up
+    return fit_link(into), fit_link(out)

@@ -114,6 +114,8 @@ class Profile:
     max_micro_batch_size: int | None = None  # largest that fits on the device (None: not probed)
     device_memory_bytes: int | None = None
     comm: CommProfile | None = None
+    host_in: Link | None = None  # host -> device copies (offload's swap-in), from pinned memory on GPU
+    host_out: Link | None = None  # device -> host copies (offload's gradient swap-out)
     created: str = ""
     version: int = PROFILE_VERSION
     notes: list[str] = field(default_factory=list)
@@ -167,8 +169,9 @@ class Profile:
             if comm is not None:
                 comm = CommProfile(Link(**comm["p2p"]), {int(k): Link(**v) for k, v in comm["allreduce"].items()},
                                    comm["backend"], comm["where"])
-            fields = {k: v for k, v in d.items() if k not in ("layers", "comm")}
-            return Profile(**fields, layers=layers, comm=comm)
+            fields = {k: v for k, v in d.items() if k not in ("layers", "comm", "host_in", "host_out")}
+            links = {k: Link(**d[k]) for k in ("host_in", "host_out") if d.get(k) is not None}
+            return Profile(**fields, layers=layers, comm=comm, **links)
         except (KeyError, TypeError) as e:
             raise ProfileError(f"malformed profile: {type(e).__name__}: {e}; take it again with chimera profile"
                                ) from None

@@ -42,6 +42,7 @@ from chimera.profile.format import (
     Timing,
     fingerprint,
 )
+from chimera.profile.comm import measure_host_links
 from chimera.runtime.host_memory import keep_freed_memory
 
 BACKWARDS = {"backward_input": (True, False), "backward_weight": (False, True), "backward": (True, True)}
@@ -93,6 +94,7 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(seed)
             layers = _profile_layers(chain, sizes, dev, amp, reps, warmup, seed, notes)
+        host_in, host_out = measure_host_links(str(dev))
     finally:
         torch.set_num_threads(old_threads)
     dtype = "bfloat16-autocast" if amp and dev.type == "cuda" else _param_dtype(chain)
@@ -100,7 +102,8 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
         notes.append(f"device: {torch.cuda.get_device_name(dev)}")
     return Profile(model=chain.name, fingerprint=fingerprint(chain), device=dev.type, dtype=dtype,
                    versions=current_versions(dev.type), threads=used_threads, micro_batch_sizes=sizes, layers=layers,
-                   max_micro_batch_size=max_mbs, device_memory_bytes=memory, comm=comm,
+                   max_micro_batch_size=max_mbs, device_memory_bytes=memory, comm=comm, host_in=host_in,
+                   host_out=host_out,
                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"), notes=notes)
 
 

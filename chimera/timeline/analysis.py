@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from chimera.timeline.events import Event
 
 COMPUTE = ("F", "B")
+SWAPS = ("SWAP_IN", "SWAP_OUT", "GRAD_OUT")  # offload's copies between host and device memory
 
 
 @dataclass(frozen=True)
@@ -40,3 +41,20 @@ def step_stats(events: Iterable[Event], workers: Iterable[int] | None = None) ->
         makespan = max(e.end for e in evs) - min(e.start for e in evs)
         out.append(StepStats(it, makespan, busy))
     return out
+
+
+def swap_time(events: Iterable[Event]) -> dict[str, float]:
+    """Seconds of swaps per iteration (mean over iterations, summed over workers): ``hidden`` under a compute
+    action of the same worker (a copy stream overlapping it), ``exposed`` the rest."""
+    by: dict[tuple[int, int], tuple[list[Event], list[Event]]] = {}
+    for e in events:
+        if e.kind in SWAPS or e.kind in COMPUTE:
+            by.setdefault((e.iteration, e.worker), ([], []))[e.kind in SWAPS].append(e)
+    hidden = exposed = 0.0
+    for compute, swaps in by.values():
+        for s in swaps:
+            under = sum(max(0.0, min(s.end, c.end) - max(s.start, c.start)) for c in compute)
+            hidden += min(under, s.duration)
+            exposed += max(0.0, s.duration - under)
+    iterations = max(1, len({it for it, _ in by}))
+    return {"hidden": hidden / iterations, "exposed": exposed / iterations}

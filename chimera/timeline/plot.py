@@ -22,6 +22,7 @@ COLORS = {
 }
 SYNC_COLOR = "#bdbdbd"
 COMM_COLOR = "#e5e5e5"
+SWAP_COLORS = {"SWAP_IN": "#8ac926", "GRAD_OUT": "#6a4c93", "SWAP_OUT": "#c9c9c9"}
 
 
 def _label(e: Event, bidirectional: bool) -> str:
@@ -39,9 +40,10 @@ def plot_timeline(
     time_unit: str = "",
     iteration_bounds: Sequence[float] = (),
 ) -> plt.Figure:
-    """Draw one row per worker: F/B boxes coloured by kind and pipe, gradient sync hatched.
+    """Draw one row per worker: F/B boxes coloured by kind and pipe, gradient sync hatched; with offload, each
+    worker's swaps (weights in, gradients out) on a row of their own below it.
 
-    Returns the figure; rows are ``ax.get_yticks()`` (one per worker, worker 0 on top).
+    Returns the figure; rows are ``ax.get_yticks()`` (one per worker, worker 0 on top; two with swaps).
     """
     own = ax is None
     if ax is None:
@@ -51,9 +53,14 @@ def plot_timeline(
         fig = ax.figure
     bidirectional = any(e.pipe == "up" for e in events)
     span = max((e.end for e in events), default=1.0) - min((e.start for e in events), default=0.0)
+    rows = 2 if any(e.kind in SWAP_COLORS for e in events) else 1
     for e in events:
-        y = workers - 1 - e.worker
-        if e.kind in ("F", "B"):
+        y = rows * (workers - 1 - e.worker) + rows - 1
+        if e.kind in SWAP_COLORS:
+            if e.duration > 0:
+                ax.broken_barh([(e.start, e.duration)], (y - 1 - 0.3, 0.6), facecolors=SWAP_COLORS[e.kind],
+                               edgecolors="black", linewidth=0.3)
+        elif e.kind in ("F", "B"):
             ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=COLORS[(e.kind, e.pipe)],
                            edgecolors="black", linewidth=0.4)
             if e.duration > span / 60:
@@ -65,15 +72,19 @@ def plot_timeline(
             ax.broken_barh([(e.start, e.duration)], (y - 0.2, 0.4), facecolors=COMM_COLOR, edgecolors="none")
     for t in iteration_bounds:
         ax.axvline(t, color="red", linestyle="--", linewidth=0.8)
-    ax.set_yticks(range(workers))
-    ax.set_yticklabels([f"worker {w}" for w in range(workers - 1, -1, -1)])
-    ax.set_ylim(-0.6, workers - 0.4)
+    ax.set_yticks(range(rows * workers))
+    names = [[f"worker {w}"] if rows == 1 else [f"w{w} swaps", f"worker {w}"] for w in range(workers - 1, -1, -1)]
+    ax.set_yticklabels([n for pair in names for n in pair])
+    ax.set_ylim(-0.6, rows * workers - 0.4)
     ax.set_xlabel(f"time{f' ({time_unit})' if time_unit else ''}")
     handles = [Patch(facecolor=COLORS[("F", "down")], edgecolor="black", label="forward" + (" (down)" if bidirectional else "")),
                Patch(facecolor=COLORS[("B", "down")], edgecolor="black", label="backward" + (" (down)" if bidirectional else ""))]
     if bidirectional:
         handles += [Patch(facecolor=COLORS[("F", "up")], edgecolor="black", label="forward (up)"),
                     Patch(facecolor=COLORS[("B", "up")], edgecolor="black", label="backward (up)")]
+    if rows == 2:
+        handles += [Patch(facecolor=SWAP_COLORS[k], edgecolor="black", label=label)
+                    for k, label in (("SWAP_IN", "weights in"), ("GRAD_OUT", "gradients out"))]
     if any(e.kind.startswith("ALLREDUCE") and e.duration > 0 for e in events):
         handles.append(Patch(facecolor=SYNC_COLOR, edgecolor="black", hatch="///", label="gradient sync"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 if workers < 6 else -0.1),

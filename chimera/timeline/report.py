@@ -6,7 +6,9 @@ Files under the output folder, with NAME = ``{model}_{schedule}_{D}stages_{worke
 * ``NAME.trace.json``: Chrome trace format (one process per worker, one thread per pipe; open in Perfetto);
 * ``NAME.pdf`` / ``NAME.png``: measured timeline (top) and the simulator's timeline with per-stage costs taken
   from the measured run (bottom);
-* ``NAME.json``: per-worker busy time, measured bubble fraction, mean iteration time, predicted iteration time.
+* ``NAME.json``: per-worker busy time, measured bubble fraction, mean iteration time, predicted iteration time;
+  with offload the bytes swapped per step (``swap_bytes_per_step``, per worker) and the swap time per iteration
+  hidden under compute and exposed (``swap_s_hidden``, ``swap_s_exposed``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from chimera.schedule import Costs, Schedule, from_json, simulate, to_json
-from chimera.timeline.analysis import step_stats
+from chimera.timeline.analysis import SWAPS, step_stats, swap_time
 from chimera.timeline.events import Event, events_from_simulation
 
 PIPE_TID = {"down": 0, "up": 1}
+SWAP_TID = 2  # offload's swaps: a row of their own per worker
 
 
 def chrome_trace(events: Sequence[Event], meta: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -33,11 +36,14 @@ def chrome_trace(events: Sequence[Event], meta: dict[str, Any] | None = None) ->
         out.append({"name": "process_sort_index", "ph": "M", "pid": w, "tid": 0, "args": {"sort_index": w}})
         for pipe, tid in PIPE_TID.items():
             out.append({"name": "thread_name", "ph": "M", "pid": w, "tid": tid, "args": {"name": f"{pipe} pipe"}})
+        if any(e.kind in SWAPS for e in events):
+            out.append({"name": "thread_name", "ph": "M", "pid": w, "tid": SWAP_TID, "args": {"name": "swaps"}})
     for e in events:
         mb = "" if e.microbatch < 0 else (str(e.microbatch) if e.count == 1 else f"{e.microbatch}-{e.microbatch + e.count - 1}")
         name = "OPT" if e.kind == "OPTIMIZER_STEP" else f"{e.pipe[0]}{e.stage}{e.kind}{mb}"
         out.append({
-            "name": name, "cat": e.kind, "ph": "X", "pid": e.worker, "tid": PIPE_TID.get(e.pipe, 0),
+            "name": name, "cat": e.kind, "ph": "X", "pid": e.worker,
+            "tid": SWAP_TID if e.kind in SWAPS else PIPE_TID.get(e.pipe, 0),
             "ts": (e.start - t0) * 1e6, "dur": max(0.0, e.duration) * 1e6,
             "args": {"iteration": e.iteration, "stage": e.stage, "microbatch": e.microbatch, "pipe": e.pipe},
         })
@@ -60,6 +66,7 @@ def summarize(events: Sequence[Event], schedule: Schedule, workers: int, meta: d
     stats = step_stats(events, range(workers))
     pred = simulate(schedule.compute_only(), measured_costs(events, schedule.stages))
     busy = {w: statistics.fmean(s.busy[w] for s in stats) for w in range(workers)}
+    swaps = swap_time(events)
     return {
         **meta,
         "workers": workers,
@@ -70,6 +77,8 @@ def summarize(events: Sequence[Event], schedule: Schedule, workers: int, meta: d
         "busy_s": {str(w): b for w, b in busy.items()},
         "predicted_iteration_s": float(pred.makespan),
         "predicted_bubble": float(pred.bubble),
+        **({"swap_s_hidden": swaps["hidden"], "swap_s_exposed": swaps["exposed"]} if swaps["hidden"] + swaps["exposed"]
+           else {}),
     }
 
 
