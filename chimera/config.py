@@ -27,8 +27,16 @@ from chimera.job import Job
 from chimera.models import ChainError, LayerChain, build_model, partition
 from chimera.optim import OPTIMIZERS
 from chimera.optim import SCHEDULES as LR_SCHEDULES
-from chimera.schedule import (CHIMERA_MODES, OFFLOAD_POLICIES, Offload, Schedule, ScheduleConfigError, build_schedule,
-                              lower, validate)
+from chimera.schedule import (
+    CHIMERA_MODES,
+    OFFLOAD_POLICIES,
+    Offload,
+    Schedule,
+    ScheduleConfigError,
+    build_schedule,
+    lower,
+    validate,
+)
 
 PAYLOADS = ("full", "single-byte")
 

@@ -33,6 +33,7 @@ import chimera
 from chimera.microbatch import map_tensors, repeated, tensors
 from chimera.models.chain import LayerChain, TensorSpec, as_tuple, call
 from chimera.optim import OPTIMIZERS, build_optimizer
+from chimera.profile.comm import measure_host_links
 from chimera.profile.format import (
     CommProfile,
     LayerCost,
@@ -42,7 +43,6 @@ from chimera.profile.format import (
     Timing,
     fingerprint,
 )
-from chimera.profile.comm import measure_host_links
 from chimera.runtime.host_memory import keep_freed_memory
 
 BACKWARDS = {"backward_input": (True, False), "backward_weight": (False, True), "backward": (True, True)}

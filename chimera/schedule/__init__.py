@@ -12,7 +12,14 @@ from chimera.schedule.generators import (
 )
 from chimera.schedule.io import from_csv, from_json, to_csv, to_json
 from chimera.schedule.ir import DOWN, UP, Action, Kind, Schedule
-from chimera.schedule.lowering import OFFLOAD_POLICIES, Offload, add_grad_sync, add_optimizer_step, add_p2p, lower
+from chimera.schedule.lowering import (
+    OFFLOAD_POLICIES,
+    Offload,
+    add_grad_sync,
+    add_optimizer_step,
+    add_p2p,
+    lower,
+)
 from chimera.schedule.simulate import Costs, SimResult, simulate
 from chimera.schedule.validate import ScheduleError, format_grid, validate
 

@@ -1,0 +1,95 @@
+"""Offload's cost: step time offloaded / not offloaded for a model that fits, measured side by side, with the
+simulator's prediction beside it.
+
+For each offload policy, the same configuration (GPT-2-tiny, Chimera, D = 2, two local workers on CPU) is
+trained without and with offload, alternating run by run (``--reps`` pairs); measured = median over the runs
+of each run's median step time (max over ranks) over steps 1..n (step 0 warms up). Predicted: the simulator
+on the lowered schedule (with and without the swaps), costs from a profile of the model taken the way the
+workers run it (one thread per worker, the host <-> device copy links measured with it).
+
+Usage: python bench/offload.py [--quick] [--policies optimizer,everything] [--steps 6] [--reps 3]
+                               [--results bench/RESULTS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from chimera.config import TrainConfig  # noqa: E402
+from chimera.plan import simulator_costs  # noqa: E402
+from chimera.profile.layers import profile_chain  # noqa: E402
+from chimera.runtime import run_local  # noqa: E402
+from chimera.schedule import OFFLOAD_POLICIES, Offload, lower, simulate  # noqa: E402
+
+BASE = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=32,
+            optimizer="adamw", corpus="synthetic", partition="uniform", threads=1)
+
+
+def measured_step(cfg: TrainConfig) -> float:
+    """Median step time (max over ranks) of one run, without its first step."""
+    metrics = run_local(cfg).metrics
+    return statistics.median(m["step_time_s"] for m in metrics[1:])
+
+
+def predicted_step(cfg: TrainConfig, prof: Any, policy: str, prefetch: int) -> float:
+    job = cfg.check()
+    costs = simulator_costs(prof, job.stage_layers, job.unit_size, False, job.schedule, "adamw")
+    compute_only = job.schedule.compute_only()
+    return float(simulate(lower(compute_only, Offload(policy, prefetch)), costs).makespan)
+
+
+def run(policies: list[str], steps: int, reps: int, prefetch: int) -> list[dict[str, Any]]:
+    base = TrainConfig.from_flags(**BASE, steps=steps)
+    prof = profile_chain(base.preset_chain(), [BASE["micro_batch_size"]], reps=3, warmup=1, threads=1)
+    rows = []
+    for policy in policies:
+        off = base.with_flags(offload=policy, prefetch=prefetch)
+        plain_s, off_s = [], []
+        for _ in range(reps):  # side by side: the two alternate, so both see the same machine
+            plain_s.append(measured_step(base))
+            off_s.append(measured_step(off))
+        plain, offloaded = statistics.median(plain_s), statistics.median(off_s)
+        pred_plain, pred_off = predicted_step(base, prof, "none", prefetch), predicted_step(off, prof, policy, prefetch)
+        rows.append({"policy": policy, "prefetch": prefetch, "plain_s": plain, "offload_s": offloaded,
+                     "ratio": offloaded / plain, "predicted_ratio": pred_off / pred_plain,
+                     "predicted_plain_s": pred_plain, "predicted_offload_s": pred_off})
+        r = rows[-1]
+        print(f"{policy:22s} measured {plain:.4f} s -> {offloaded:.4f} s (x{r['ratio']:.3f}); "
+              f"predicted {pred_plain:.4f} s -> {pred_off:.4f} s (x{r['predicted_ratio']:.3f})", flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]], command: str) -> str:
+    lines = [f"`{command}`", "", "| offload | prefetch | no offload s | offloaded s | ratio | predicted ratio |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['policy']} | {r['prefetch']} | {r['plain_s']:.4f} | {r['offload_s']:.4f} | {r['ratio']:.3f} | "
+              f"{r['predicted_ratio']:.3f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policies", default=",".join(OFFLOAD_POLICIES[1:]))
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="one pair per policy, 3 steps")
+    p.add_argument("--results", default=None, help="append the table to this file (e.g. bench/RESULTS.md)")
+    a = p.parse_args()
+    steps, reps = (3, 1) if a.quick else (a.steps, a.reps)
+    rows = run(a.policies.split(","), steps, reps, a.prefetch)
+    text = table(rows, "python bench/offload.py " + " ".join(sys.argv[1:]))
+    print(text)
+    if a.results:
+        with open(a.results, "a") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
