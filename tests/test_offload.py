@@ -106,3 +106,46 @@ def test_offload_flags_are_checked():
         base.with_flags(offload="auto").check()
     with pytest.raises(ConfigError, match="--prefetch must be >= 0"):
         base.with_flags(offload="everything", prefetch=-1).check()
+
+
+def test_planner_offloads_when_memory_demands_it():
+    import dataclasses as dc
+
+    from chimera.plan import plan
+    from chimera.profile import Link
+    from chimera.profile.synthetic import bert48_paper_like
+
+    prof = dc.replace(bert48_paper_like(), host_in=Link(1e-5, 2e10), host_out=Link(1e-5, 2e10))
+    loose = plan(prof, 8, global_batch=64, memory_limit=64 * 2**30, stages=8)
+    tight = plan(prof, 8, global_batch=64, memory_limit=2**30, stages=8)  # state alone needs more
+    assert all(e.candidate.offload == "none" for e in loose.ranked)
+    assert tight.ranked and all(e.candidate.offload != "none" and e.peak_memory <= 2**30 for e in tight.ranked)
+    assert tight.ranked[0].step_s > loose.ranked[0].step_s  # the swaps cost copy time
+
+
+def test_timeline_puts_swaps_on_their_own_row(tmp_path):
+    import json
+
+    from chimera.timeline import Event
+    from chimera.timeline.analysis import swap_time
+    from chimera.timeline.plot import plot_timeline
+    from chimera.timeline.report import chrome_trace
+
+    events = [Event(0, "F", "down", 0, 0, 0.0, 1.0), Event(0, "SWAP_IN", "down", 0, -1, 0.5, 1.5),
+              Event(0, "GRAD_OUT", "down", 0, -1, 2.0, 2.5), Event(1, "F", "down", 1, 0, 1.0, 2.0)]
+    assert swap_time(events) == {"hidden": 0.5, "exposed": 1.0}
+    trace = chrome_trace(events)["traceEvents"]
+    assert {e["tid"] for e in trace if e.get("cat") in ("SWAP_IN", "GRAD_OUT")} == {2}
+    assert any(e.get("args", {}).get("name") == "swaps" for e in trace)
+    fig = plot_timeline(events, 2)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["w1 swaps", "worker 1", "w0 swaps", "worker 0"]
+    json.dumps(chrome_trace(events))
+
+
+def test_profile_keeps_host_links(tmp_path):
+    from chimera.profile import Link, Profile
+    from chimera.profile.synthetic import bert48_paper_like
+
+    prof = dataclasses.replace(bert48_paper_like(), host_in=Link(1e-5, 2e10), host_out=Link(2e-5, 1e10))
+    back = Profile.load(prof.save(tmp_path / "p.json"))
+    assert (back.host_in, back.host_out) == (prof.host_in, prof.host_out)
