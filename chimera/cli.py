@@ -6,6 +6,7 @@ Examples::
     chimera schedule show 1f1b --stages 4 --micro-batches 8 --format json --lowered
     chimera schedule simulate chimera --stages 4 --micro-batches 4 --fwd 1 --bwd 2 --json
     chimera schedule plot chimera --stages 4 --micro-batches 8 -o chimera.png
+    chimera schedule simulate chimera -D 2 -N 4 --offload everything --prefetch 1 --swap-in 1 --swap-out 1
     chimera data prepare enwiki-latest-pages-articles.xml.bz2 -o wikipedia.segmented.txt
     chimera data tokenizer wikipedia.segmented.txt --vocab-size 30522
     chimera train --model bert-base --corpus wikipedia.segmented.txt
@@ -24,8 +25,10 @@ from typing import Any
 from chimera.plan.cli import add_plan_parser
 from chimera.schedule import (
     CHIMERA_MODES,
+    OFFLOAD_POLICIES,
     SCHEDULES,
     Costs,
+    Offload,
     Schedule,
     ScheduleConfigError,
     ScheduleError,
@@ -66,6 +69,9 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel", "-W", type=int, default=1, help="data-parallel width W")
     p.add_argument("--reverse-backward", action="store_true", help="GPipe: backward in reverse order")
     p.add_argument("--lowered", action="store_true", help="include send/recv, allreduce and optimizer actions")
+    p.add_argument("--offload", choices=OFFLOAD_POLICIES, default="none",
+                   help="lowered with the swaps of this offload policy (implies --lowered)")
+    p.add_argument("--prefetch", type=int, default=1, help="with --offload everything: swap-in depth")
 
 
 def _schedule(args: argparse.Namespace, check: bool = True) -> Schedule:
@@ -77,12 +83,17 @@ def _schedule(args: argparse.Namespace, check: bool = True) -> Schedule:
                        data_parallel=args.data_parallel, reverse_backward=args.reverse_backward)
     if check:
         validate(s)
+    if args.offload != "none":
+        try:
+            return lower(s, Offload(args.offload, args.prefetch))
+        except ValueError as e:
+            raise ScheduleConfigError(f"--prefetch: {e}") from None
     return lower(s) if args.lowered else s
 
 
 def _costs(args: argparse.Namespace) -> Costs:
     return Costs(fwd=args.fwd, bwd=args.bwd, p2p_latency=args.p2p_latency, allreduce=args.allreduce,
-                 optimizer=args.optimizer)
+                 optimizer=args.optimizer, swap_in=args.swap_in, swap_out=args.swap_out)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -213,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--p2p-latency", type=_number, default=Fraction(0), help="time of one p2p message")
         p.add_argument("--allreduce", type=_number, default=Fraction(0), help="gradient allreduce time per stage")
         p.add_argument("--optimizer", type=_number, default=Fraction(0), help="optimizer step time")
+        p.add_argument("--swap-in", type=_number, default=Fraction(0), help="a stage's weights host -> device")
+        p.add_argument("--swap-out", type=_number, default=Fraction(0), help="a stage's gradients device -> host")
         if name == "simulate":
             p.add_argument("--json", action="store_true", help="print one JSON object")
         else:

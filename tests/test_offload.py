@@ -87,8 +87,9 @@ def test_gpt2_three_times_the_budget_trains_with_chimera_on_cpu():
 
 @pytest.mark.parametrize("flags", [
     dict(schedule="1f1b", stages=2, micro_batches=4, recompute=True, offload="everything", prefetch=1),
-    dict(schedule="chimera", stages=2, micro_batches=4, data_parallel=2, offload="optimizer+gradients"),
-    dict(schedule="gpipe", stages=2, micro_batches=2, offload="optimizer", optimizer="lamb"),
+    dict(schedule="chimera", stages=2, micro_batches=4, data_parallel=2, offload="everything", prefetch=2),
+    dict(schedule="interleaved", stages=2, micro_batches=4, offload="optimizer+gradients", optimizer="lamb"),
+    dict(schedule="gpipe", stages=2, micro_batches=2, offload="optimizer", optimizer="sgd"),
 ])
 def test_offload_trains_like_no_offload(flags):
     base = TrainConfig.from_flags(**{**GPT2, "steps": 2, **{k: v for k, v in flags.items() if k not in
@@ -149,3 +150,17 @@ def test_profile_keeps_host_links(tmp_path):
     prof = dataclasses.replace(bert48_paper_like(), host_in=Link(1e-5, 2e10), host_out=Link(2e-5, 1e10))
     back = Profile.load(prof.save(tmp_path / "p.json"))
     assert (back.host_in, back.host_out) == (prof.host_in, prof.host_out)
+
+
+def test_schedule_cli_shows_and_prices_the_swaps(capsys):
+    import json
+
+    from chimera.cli import main
+
+    args = ["schedule", "simulate", "chimera", "-D", "2", "-N", "4", "--offload", "everything", "--json"]
+    assert main(args) == 0
+    free = json.loads(capsys.readouterr().out)["makespan"]
+    assert main([*args, "--swap-in", "1", "--swap-out", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["makespan"] > free
+    assert main(["schedule", "show", "chimera", "-D", "2", "-N", "4", "--offload", "optimizer"]) == 0
+    assert "d0GRAD_OUT u1GRAD_OUT OPT d0SWAP_IN u1SWAP_IN" in capsys.readouterr().out
