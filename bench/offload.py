@@ -7,14 +7,20 @@ of each run's median step time (max over ranks) over steps 1..n (step 0 warms up
 on the lowered schedule (with and without the swaps), costs from a profile of the model taken the way the
 workers run it (one thread per worker, the host <-> device copy links measured with it).
 
+``--baseline-tree PATH``: instead, the step time without offload of this tree against another checkout (e.g.
+the commit before offload), each run in a fresh interpreter with that tree first on ``PYTHONPATH``, alternating:
+offload must cost nothing when it is off.
+
 Usage: python bench/offload.py [--quick] [--policies optimizer,everything] [--steps 6] [--reps 3]
-                               [--results bench/RESULTS.md]
+                               [--baseline-tree PATH] [--results bench/RESULTS.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,6 +71,27 @@ def run(policies: list[str], steps: int, reps: int, prefetch: int) -> list[dict[
     return rows
 
 
+_PLAIN = ("import statistics, sys; from chimera.config import TrainConfig; from chimera.runtime import run_local; "
+          "m = run_local(TrainConfig.from_flags(**eval(sys.argv[1]))).metrics; "
+          "print(statistics.median(x['step_time_s'] for x in m[1:]))")
+
+
+def baseline(tree: str, steps: int, reps: int) -> str:
+    """Median step time without offload, this tree against ``tree``, alternating fresh interpreters."""
+    here = str(Path(__file__).resolve().parents[1])
+    times: dict[str, list[float]] = {here: [], tree: []}
+    for _ in range(reps):
+        for t in times:
+            env = {**os.environ, "PYTHONPATH": t}
+            out = subprocess.run([sys.executable, "-c", _PLAIN, repr({**BASE, "steps": steps})], env=env, cwd=t,
+                                 capture_output=True, text=True, check=True).stdout
+            times[t].append(float(out.split()[-1]))
+    (a, ta), (b, tb) = times.items()
+    return (f"| no offload, step s (runs) | this tree | {tree} |\n|---|---|---|\n| median | "
+            f"{statistics.median(ta):.4f} ({', '.join(f'{x:.4f}' for x in ta)}) | "
+            f"{statistics.median(tb):.4f} ({', '.join(f'{x:.4f}' for x in tb)}) |\n")
+
+
 def table(rows: list[dict[str, Any]], command: str) -> str:
     lines = [f"`{command}`", "", "| offload | prefetch | no offload s | offloaded s | ratio | predicted ratio |",
              "|---|---|---|---|---|---|"]
@@ -80,11 +107,15 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="one pair per policy, 3 steps")
+    p.add_argument("--baseline-tree", default=None, help="compare the step time without offload with this checkout")
     p.add_argument("--results", default=None, help="append the table to this file (e.g. bench/RESULTS.md)")
     a = p.parse_args()
     steps, reps = (3, 1) if a.quick else (a.steps, a.reps)
-    rows = run(a.policies.split(","), steps, reps, a.prefetch)
-    text = table(rows, "python bench/offload.py " + " ".join(sys.argv[1:]))
+    command = "python bench/offload.py " + " ".join(sys.argv[1:])
+    if a.baseline_tree:
+        text = f"`{command}`\n\n" + baseline(a.baseline_tree, steps, max(reps, 3))
+    else:
+        text = table(run(a.policies.split(","), steps, reps, a.prefetch), command)
     print(text)
     if a.results:
         with open(a.results, "a") as f:
