@@ -88,7 +88,8 @@ def test_gpt2_three_times_the_budget_trains_with_chimera_on_cpu():
 @pytest.mark.parametrize("flags", [
     dict(schedule="1f1b", stages=2, micro_batches=4, recompute=True, offload="everything", prefetch=1),
     dict(schedule="chimera", stages=2, micro_batches=4, data_parallel=2, offload="everything", prefetch=2),
-    dict(schedule="interleaved", stages=2, micro_batches=4, offload="optimizer+gradients", optimizer="lamb"),
+    dict(schedule="interleaved", stages=2, micro_batches=4, offload="everything", optimizer="lamb"),
+    dict(schedule="chimera", stages=2, micro_batches=4, mode="doubling", recompute=True, offload="optimizer+gradients"),
     dict(schedule="gpipe", stages=2, micro_batches=2, offload="optimizer", optimizer="sgd"),
 ])
 def test_offload_trains_like_no_offload(flags):

@@ -20,7 +20,7 @@ from chimera.plan.partition import layers_of, plan_partition
 from chimera.plan.planfile import Plan
 from chimera.plan.search import plan
 from chimera.profile import CommProfile, Profile, ProfileError
-from chimera.schedule import Schedule
+from chimera.schedule import Offload, Schedule
 
 PROFILE_DIR = Path("profiles")
 
@@ -61,8 +61,10 @@ def planned_partition(cfg: Any, chain: Any, schedule: Schedule) -> tuple[list[li
     unit = int(cfg.schedule.micro_batch_size * schedule.microbatch_scale)
     device = cfg.training.device
     prof = cached_profile(chain, [unit], device, cfg.worker_threads(world), sharing(world, device))
-    part = plan_partition(prof, schedule, unit, cfg.training.recompute, cfg.training.optimizer, memory_limit(cfg),
-                          exchange=cfg.training.device != "cuda")
+    t = cfg.training
+    offload = Offload(t.offload, t.prefetch) if t.offload != "auto" else None  # auto: decided on this partition
+    part = plan_partition(prof, schedule, unit, t.recompute, t.optimizer, memory_limit(cfg),
+                          exchange=t.device != "cuda", offload=offload)
     prediction = {"step_s": part.step_s, "bubble": part.bubble, "peak_memory_bytes": part.peak_memory,
                   "partition": part.sizes, "profile": f"{prof.model} on {prof.device}, {prof.threads} thread(s)"}
     return layers_of(part.sizes), prediction
