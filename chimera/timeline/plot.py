@@ -77,6 +77,15 @@ def plot_timeline(
     ax.set_yticklabels([n for pair in names for n in pair])
     ax.set_ylim(-0.6, rows * workers - 0.4)
     ax.set_xlabel(f"time{f' ({time_unit})' if time_unit else ''}")
+    _legend(ax, events, bidirectional, rows, workers)
+    if title:
+        ax.set_title(title, fontsize=10)
+    if own:
+        fig.tight_layout()
+    return fig
+
+
+def _legend(ax: plt.Axes, events: Sequence[Event], bidirectional: bool, rows: int, workers: int) -> None:
     handles = [Patch(facecolor=COLORS[("F", "down")], edgecolor="black", label="forward" + (" (down)" if bidirectional else "")),
                Patch(facecolor=COLORS[("B", "down")], edgecolor="black", label="backward" + (" (down)" if bidirectional else ""))]
     if bidirectional:
@@ -89,11 +98,6 @@ def plot_timeline(
         handles.append(Patch(facecolor=SYNC_COLOR, edgecolor="black", hatch="///", label="gradient sync"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 if workers < 6 else -0.1),
               ncol=len(handles), fontsize=8, frameon=False)
-    if title:
-        ax.set_title(title, fontsize=10)
-    if own:
-        fig.tight_layout()
-    return fig
 
 
 def save_figure(fig: plt.Figure, path: str | Path) -> list[Path]:
