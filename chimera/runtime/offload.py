@@ -52,8 +52,8 @@ class HostStore:
             unique = list(dict.fromkeys(mod.parameters()))
             self.params[key] = unique
             for p in unique:
-                if id(p) not in self.host:
-                    copy = p.detach().to("cpu", copy=True)
+                if id(p) not in self.host:  # built in host memory (weights offloaded): no copy on CPU
+                    copy = p.detach().to("cpu", copy=p.device == device)
                     self.host[id(p)] = nn.Parameter(copy.pin_memory() if self.cuda else copy)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.ready: dict[StageKey, Any] = {}

@@ -40,13 +40,18 @@ class StageState:
         cfg, sched = job.cfg.training, job.schedule
         self.comm = comm
         self.device = device
-        self.modules: dict[StageKey, StageModule] = {
-            (pipe, s): build_stage(job.chain, job.stage_layers[s], cfg.seed, device=device)
-            for pipe, s in sched.stages_of(worker)}
         offload = Offload(cfg.offload, cfg.prefetch) if cfg.offload != "none" else Offload()
+        # weights offloaded: built in host memory, never whole on the device (the store releases them there)
+        built_on = torch.device("cpu") if offload.weights else device
+        self.modules: dict[StageKey, StageModule] = {
+            (pipe, s): build_stage(job.chain, job.stage_layers[s], cfg.seed, device=built_on)
+            for pipe, s in sched.stages_of(worker)}
         # offloaded: the host store holds the current weights (the optimizer steps them) and, where gradients
         # are offloaded, their sums; ``home``/``grad_home`` map a device parameter to where that lives
         self.host = HostStore(self.modules, offload, device) if offload.optimizer else None
+        if built_on != device:
+            for mod in self.modules.values():
+                mod.to(device)  # buffers; the parameters are empty until swapped in
         home = self.host.home if self.host else _same
         grad_home = home if offload.gradients else _same
         self.device_params = _unique(p for mod in self.modules.values() for p in mod.parameters())
