@@ -44,6 +44,18 @@ def test_swaps_are_actions_the_validator_and_simulator_see(name, policy):
     assert simulate(off, Costs(fwd=1, bwd=2, swap_in=1, swap_out=1)).makespan > free
 
 
+def test_prefetch_hides_swap_ins_when_copies_run_beside_compute():
+    sched = build_schedule("chimera", 4, 8)
+    plain = simulate(lower(sched), Costs(fwd=2, bwd=4)).makespan
+    span = {}
+    for depth in (0, 1):
+        off = lower(sched, Offload("everything", depth))
+        blocking = simulate(off, Costs(fwd=2, bwd=4, swap_in=1)).makespan
+        span[depth] = simulate(off, Costs(fwd=2, bwd=4, swap_in=1, copy_overlap=True)).makespan
+        assert plain < span[depth] <= blocking
+    assert span[1] < span[0] and span[1] - plain <= 1  # one swap-in before the first forward stays exposed
+
+
 def test_prefetch_depth_bounds_resident_stages():
     sched = build_schedule("chimera", 4, 8)
     for depth in (0, 1, 2):

@@ -8,7 +8,7 @@ of it under backward halving); its backward the sum of their backwards, plus the
 stage recomputes (every stage but the last: the runtime keeps the last stage's graph). A message costs the
 profiled p2p link for the bytes the sending stage outputs; a stage's gradient sum the profiled allreduce over
 its group for its parameter bytes; a swap (offload) the profiled host <-> device copy of the stage's parameter
-bytes (free when the profile has no copy measurement).
+bytes (free when the profile has no copy measurement); on GPU swap-ins run beside compute (a copy stream).
 """
 
 from __future__ import annotations
@@ -60,16 +60,18 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     fwd, bwd = [t * per_mb for t in sc.fwd], [t * per_mb for t in sc.bwd]
     swap_in = [profile.host_in.time(b) for b in sc.param_bytes] if profile.host_in else 0.0
     swap_out = [profile.host_out.time(b) for b in sc.param_bytes] if profile.host_out else 0.0
+    overlap = profile.device.startswith("cuda")
     comm = profile.comm
     if comm is None:
-        return Costs(fwd=fwd, bwd=bwd, optimizer=optimizer_s, swap_in=swap_in, swap_out=swap_out)
+        return Costs(fwd=fwd, bwd=bwd, optimizer=optimizer_s, swap_in=swap_in, swap_out=swap_out,
+                     copy_overlap=overlap)
     allreduce = []
     for s in range(len(stage_layers)):
         n = schedule.stage_group_size(s)
         allreduce.append(_allreduce_link(profile, n).time(sc.param_bytes[s]) if n > 1 else 0.0)
     return Costs(fwd=fwd, bwd=bwd, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes,
                  p2p_bandwidth=comm.p2p.bandwidth_Bps, allreduce=allreduce, optimizer=optimizer_s, swap_in=swap_in,
-                 swap_out=swap_out)
+                 swap_out=swap_out, copy_overlap=overlap)
 
 
 def _allreduce_link(profile: Profile, ranks: int):  # type: ignore[no-untyped-def]

@@ -73,6 +73,7 @@ class Role(Enum):
     SYNC_WAIT = "sync_wait"  # blocks until every replica of the stage started the sum
     UPDATE = "update"  # the optimizer step
     COPY = "copy"  # moves a stage replica's weights or gradients between host and device memory (offload)
+    PREFETCH = "prefetch"  # starts a host -> device copy of a stage's weights; its next compute waits for it
 
 
 class Res(str, Enum):
@@ -144,7 +145,7 @@ SPECS: dict[Kind, KindSpec] = {
     Kind.OPTIMIZER_STEP: KindSpec("optimizer step", "OPT", Role.UPDATE, Address.NONE, cost="optimizer"),
     # offload (chimera.schedule.lowering.add_offload): the host holds the current weights, so a swap-out only
     # releases the device copy; gradients move out and are summed on the host
-    Kind.SWAP_IN: KindSpec("weights swap-in", "SWAP_IN", Role.COPY, Address.STAGE, cost="swap_in"),
+    Kind.SWAP_IN: KindSpec("weights swap-in", "SWAP_IN", Role.PREFETCH, Address.STAGE, cost="swap_in"),
     Kind.SWAP_OUT: KindSpec("weights swap-out", "SWAP_OUT", Role.COPY, Address.STAGE),
     Kind.GRAD_OUT: KindSpec("gradients swap-out", "GRAD_OUT", Role.COPY, Address.STAGE, cost="swap_out"),
 }

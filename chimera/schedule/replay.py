@@ -10,7 +10,9 @@ It runs every worker's list in order, as the runtime would, and times each actio
   later. A receive blocks until its message has arrived. (The runtime posts a run of consecutive
   send/recv actions as one batch, keeps the send handles and waits only for the receives; NCCL/gloo
   match messages of one channel in order, which the validator checks separately.)
-* A swap (role ``copy``) occupies its worker for its cost, like the optimizer step.
+* A swap (role ``copy``) occupies its worker for its cost, like the optimizer step. A swap-in (role
+  ``prefetch``) does too, unless the costs say copies run beside compute (``Costs.copy_overlap``, a GPU copy
+  stream): then it takes no worker time and the stage's next compute on the worker waits until it has ended.
 * ALLREDUCE_START is non-blocking; the allreduce of a stage ends ``allreduce(stage)`` after the last
   replica started it. ALLREDUCE_WAIT blocks until then.
 
@@ -45,8 +47,8 @@ class Plan:
     """A schedule replayed once without times: what runs in which order, and what each action waits for.
 
     Action ``schedule.actions[w][i]`` has the flat index ``bounds[w] + i``. Delay slot 0 is free, slot
-    ``1 + s`` is the allreduce of stage s, slot ``1 + stages + k`` the message ``messages[k]`` (one per
-    resource, pipe and stage that sends). Duration slot 0 is free, slot ``1 + k`` is what action
+    ``1 + s`` is the allreduce of stage s, slot ``1 + stages + s`` a swap-in of stage s beside compute, slot
+    ``1 + 2 stages + k`` the message ``messages[k]`` (one per resource, pipe and stage that sends). Duration slot 0 is free, slot ``1 + k`` is what action
     ``durations[k]`` costs (one per kind, stage and count among the compute and update actions).
     """
 
@@ -162,6 +164,7 @@ class _Build:
         self.durations: list[Action] = []
         self.duration_slot: dict[tuple[Any, int, int], int] = {}
         self.synced: set[int] = set()
+        self.fetched: dict[tuple[int, str, int], int] = {}  # (worker, pipe, stage) -> its last swap-in
         self.templates: dict[Key, Any] = {}  # per kind, pipe, stage (count, worker): what its actions touch
         self._kinds()
 
@@ -170,7 +173,7 @@ class _Build:
         by_role: dict[Role, Callable[[int, int, Action], tuple[Deps, int] | None]] = {
             Role.COMPUTE: self._compute, Role.SEND: self._send, Role.RECV: self._recv,
             Role.SYNC_START: self._sync_start, Role.SYNC_WAIT: self._sync_wait, Role.UPDATE: self._update,
-            Role.COPY: self._update}  # a swap occupies its worker for its cost (copies are not modelled as hidden)
+            Role.COPY: self._update, Role.PREFETCH: self._prefetch}
         unknown = {spec.role for spec in SPECS.values()} - set(by_role)
         if unknown:
             raise ValueError(f"replay has no rule for the role(s) {sorted(map(str, unknown))} of the kinds table")
@@ -232,7 +235,7 @@ class _Build:
         slot = self.message_slot.get(key[:3])
         if slot is None:
             self.messages.append(key)
-            slot = self.message_slot[key[:3]] = self.stages + len(self.messages)
+            slot = self.message_slot[key[:3]] = 2 * self.stages + len(self.messages)
         return slot
 
     def _compute(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
@@ -254,6 +257,9 @@ class _Build:
                 if made_by is None:
                     return self._block(w, track, m)
                 deps.append((made_by, delay))
+        fetched = self.fetched.get((w, a.pipe, a.stage))
+        if fetched is not None:  # the weights' copy ends before the compute starts
+            deps.append((fetched, 1 + self.stages + a.stage))
         self.compute[w].append(i)
         for track in makes:
             for m in range(first, first + count):
@@ -308,4 +314,8 @@ class _Build:
         return tuple((j, 1 + a.stage) for j in started), 0
 
     def _update(self, w: int, i: int, a: Action) -> tuple[Deps, int]:
+        return (), self._duration(a)
+
+    def _prefetch(self, w: int, i: int, a: Action) -> tuple[Deps, int]:
+        self.fetched[(w, a.pipe, a.stage)] = i
         return (), self._duration(a)

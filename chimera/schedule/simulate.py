@@ -29,7 +29,7 @@ from math import lcm
 from typing import Any
 
 from chimera.schedule.ir import Action, Schedule
-from chimera.schedule.kinds import SPECS, Address, Msg, Res
+from chimera.schedule.kinds import SPECS, Address, Msg, Res, Role
 from chimera.schedule.kinds import message as message_of
 from chimera.schedule.replay import Plan
 from chimera.schedule.validate import ScheduleError, format_grid
@@ -45,7 +45,8 @@ class Costs:
     stage, ``p2p_bytes[s]`` is the size of stage s's output activation: an activation message made by stage s
     has that size, the gradient made by stage s (with respect to its input) that of stage s-1's output.
     ``optimizer`` is the optimizer step; ``swap_in`` / ``swap_out`` (per stage) a stage replica's weights
-    host -> device and gradients device -> host (offload).
+    host -> device and gradients device -> host (offload). ``copy_overlap``: swap-ins run beside compute (a GPU
+    copy stream) instead of occupying the worker (CPU).
     """
 
     fwd: Num | Sequence[Num] = 1
@@ -57,6 +58,7 @@ class Costs:
     optimizer: Num = 0
     swap_in: Num | Sequence[Num] = 0
     swap_out: Num | Sequence[Num] = 0
+    copy_overlap: bool = False
 
     def stage_value(self, value: Num | Sequence[Num], stage: int) -> Num:
         return value[stage] if isinstance(value, Sequence) else value
@@ -201,11 +203,14 @@ class Simulator:
         """Simulate one iteration with ``costs`` (default :class:`Costs`)."""
         c = costs or Costs()
         p = self._plan
-        duration = [0, *(c.of(a, self.schedule.microbatch_scale) for a in p.durations)]
+        beside = c.copy_overlap  # a prefetch's cost moves from the worker to the wait of the compute after it
+        duration = [0, *(0 if beside and SPECS[a.kind].role is Role.PREFETCH else c.of(a, self.schedule.microbatch_scale)
+                         for a in p.durations)]
         allreduce = [0] * p.stages
         for s in p.synced:
             allreduce[s] = c.stage_value(c.allreduce, s)
-        delay = [0, *allreduce, *(c.message(k) for k in p.messages)]
+        fetch = [c.stage_value(c.swap_in, s) if beside else 0 for s in range(p.stages)]
+        delay = [0, *allreduce, *fetch, *(c.message(k) for k in p.messages)]
         unit = _common_denominator(duration + delay)
         if unit is not None:  # exact: integers in units of 1/unit
             duration = [int(v.numerator) * (unit // int(v.denominator)) for v in duration]
