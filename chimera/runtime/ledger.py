@@ -54,7 +54,7 @@ class MemoryLedger:
             "sync": _bytes(sync, seen),
         }
         total = sum(counts.values())
-        if total > self.peak.get("total", 0) or not self.peak.get("total"):
+        if total > self.peak.get("total", 0):
             self.peak = {"total": total, **counts, "host": host_bytes}
 
 

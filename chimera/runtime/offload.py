@@ -122,7 +122,10 @@ class HostStore:
     # -- autograd's saved tensors ----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor | WeightRef:
         """A reference instead of ``t`` when ``t`` lives in a device weight (weights offloaded), else ``t``."""
-        p = self.resident.get(t.untyped_storage().data_ptr())
+        try:
+            p = self.resident.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
+            return t
         if p is None:
             return t
         return WeightRef(p, tuple(t.size()), tuple(t.stride()), t.storage_offset())
@@ -140,4 +143,3 @@ class HostStore:
     def held(self) -> list[torch.Tensor]:
         """What the store keeps in host memory: weights and gradient sums."""
         return [t for h in self.host.values() for t in (h, h.grad) if t is not None]
-
