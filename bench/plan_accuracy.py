@@ -7,10 +7,12 @@
 2. ``heavy``: a chain of sleeping layers, one of them five times heavier: the planned partition against the
    uniform one (1F1B, D = 2): measured margin vs the simulator's predicted margin. Sleeping layers make the
    step independent of how the two cores are shared.
-3. ``default``: the default job (BERT-mini, Chimera, D = N = 4) on Ray with the uniform and the planned
+3. ``breakdown``: where the time goes, BERT-tiny at D = 2 (the planner's best configuration, timed by the runtime's
+   own events): per worker and action kind, predicted vs measured seconds per step.
+4. ``default``: the default job (BERT-mini, Chimera, D = N = 4) on Ray with the uniform and the planned
    partition: measured utilization (1 - bubble, from the runtime's own timeline) and the simulated ideal.
 
-Usage: python bench/plan_accuracy.py [--parts accuracy,heavy,default] [--steps 6] [--reps 5]
+Usage: python bench/plan_accuracy.py [--parts accuracy,heavy,breakdown,default] [--steps 6] [--reps 5]
 """
 
 from __future__ import annotations
@@ -108,6 +110,35 @@ def heavy(steps: int, reps: int) -> list[str]:
             f"(goal: measured >= predicted - 0.10): {ok}"]
 
 
+def breakdown(steps: int, reps: int) -> list[str]:
+    from collections import defaultdict
+
+    from chimera.timeline.events import events_from_simulation
+
+    chain = build_model("bert-tiny", seq_len=64)
+    prof = profile_chain(chain, [2, 4, 8], reps=reps, warmup=2, threads=1, comm=measure_comm_local(2), concurrent=2)
+    best = plan(prof, 2, global_batch=32, optimizer="adamw", top=1).ranked[0]
+    cfg = TrainConfig.from_flags(model="bert-tiny", seq_len=64, corpus="synthetic", optimizer="adamw", steps=steps,
+                                 threads=1, clip_grad=0.0, profile=True, **plan_flags(best))
+    job = cfg.check()
+    sim = simulate(job.schedule, simulator_costs(prof, job.stage_layers, job.unit_size, job.cfg.training.recompute,
+                                                 job.schedule, "adamw"))
+    measured: dict[tuple[int, str], float] = defaultdict(float)
+    for e in run_local(job).events:
+        if e.iteration >= 2:
+            measured[(e.worker % job.schedule.workers, e.kind)] += e.duration / ((steps - 2) * job.cfg.schedule.data_parallel)
+    predicted: dict[tuple[int, str], float] = defaultdict(float)
+    for e in events_from_simulation(sim):
+        predicted[(e.worker, e.kind)] += e.duration
+    rows = [f"{best.candidate.label}, D = {best.candidate.stages}, B = {best.candidate.micro_batch_size}, "
+            f"N = {best.candidate.micro_batches}, partition {plan_flags(best).get('partition')}: seconds per step",
+            "", "| worker | kind | predicted s | measured s | measured / predicted |", "|---|---|---|---|---|"]
+    for key in sorted(set(measured) | set(predicted)):
+        p, m = predicted.get(key, 0.0), measured.get(key, 0.0)
+        rows.append(f"| {key[0]} | {key[1]} | {p:.4f} | {m:.4f} | {m / p if p else float('nan'):.2f} |")
+    return rows
+
+
 def default_job(steps: int) -> list[str]:
     from chimera.timeline.analysis import step_stats
     from ray_launch.driver import RayJob
@@ -143,7 +174,7 @@ def _predicted(job: Any) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="accuracy,heavy,default")
+    ap.add_argument("--parts", default="accuracy,heavy,breakdown,default")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
@@ -153,6 +184,9 @@ def main() -> None:
                                                                                                  args.reps)]))
     if "heavy" in parts:
         print("\n".join(["## one heavy layer: planned vs uniform partition", *heavy(args.steps, args.reps)]))
+    if "breakdown" in parts:
+        print("\n".join(["## where the time goes: predicted vs measured per action kind", *breakdown(args.steps,
+                                                                                                   args.reps)]))
     if "default" in parts:
         print("\n".join(["## the default job: uniform vs planned partition (Ray)", *default_job(args.steps)]))
 

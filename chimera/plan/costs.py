@@ -7,8 +7,10 @@ A stage's forward is the sum of its layers' forwards at the schedule's unit size
 of it under backward halving); its backward the sum of their backwards, plus their forward again where the
 stage recomputes (every stage but the last: the runtime keeps the last stage's graph). A message costs the
 profiled p2p link for the bytes the sending stage outputs; a stage's gradient sum the profiled allreduce over
-its group for its parameter bytes; a swap (offload) the profiled host <-> device copy of the stage's parameter
-bytes (free when the profile has no copy measurement); on GPU swap-ins run beside compute (a copy stream).
+its group for its parameter bytes, less the parameters tied to another stage: those are summed in the optimizer
+step over every rank holding either end (the runtime's tied-weight sum), which the step's cost includes. A swap
+(offload) costs the profiled host <-> device copy of the stage's parameter bytes (free when the profile has no
+copy measurement); on GPU swap-ins run beside compute (a copy stream).
 """
 
 from __future__ import annotations
@@ -28,19 +30,22 @@ class StageCosts:
     bwd: list[float]
     out_bytes: list[int]
     param_bytes: list[int]
+    tied_bytes: list[int]  # parameters tied to a layer of another stage (summed apart, in the optimizer step)
 
 
 def stage_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, recompute: bool) -> StageCosts:
     """Costs of every stage of a partition at ``unit`` samples per schedule unit."""
     last = len(stage_layers) - 1
-    fwd, bwd, out, params = [], [], [], []
+    fwd, bwd, out, params, tied = [], [], [], [], []
+    stage_of = {i: s for s, layers in enumerate(stage_layers) for i in layers}
     for s, layers in enumerate(stage_layers):
         t = profile.stage_seconds(layers, unit)
         fwd.append(t["forward"])
         bwd.append(t["backward"] + (t["recompute"] if recompute and s < last else 0.0))
         out.append(profile.cost(layers[-1], unit).output_bytes)
         params.append(sum(profile.layers[i].param_bytes for i in layers))
-    return StageCosts(fwd, bwd, out, params)
+        tied.append(sum(b for i in layers for j, b in profile.layers[i].tied.items() if stage_of.get(j, s) != s))
+    return StageCosts(fwd, bwd, out, params, tied)
 
 
 def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, recompute: bool,
@@ -68,7 +73,12 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     allreduce = []
     for s in range(len(stage_layers)):
         n = schedule.stage_group_size(s)
-        allreduce.append(_allreduce_link(profile, n).time(sc.param_bytes[s]) if n > 1 else 0.0)
+        bucket = sc.param_bytes[s] - sc.tied_bytes[s]
+        allreduce.append(_allreduce_link(profile, n).time(bucket) if n > 1 and bucket > 0 else 0.0)
+    tied_stages = [s for s, b in enumerate(sc.tied_bytes) if b]
+    if tied_stages:  # one synchronous sum of the tied parameters, over every rank holding either end
+        ranks = {r for s in tied_stages for r in schedule.stage_group(s)}
+        optimizer_s += _allreduce_link(profile, len(ranks)).time(max(sc.tied_bytes))
     return Costs(fwd=fwd, bwd=bwd, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes,
                  p2p_bandwidth=comm.p2p.bandwidth_Bps, allreduce=allreduce, optimizer=optimizer_s, swap_in=swap_in,
                  swap_out=swap_out, copy_overlap=overlap)
