@@ -181,3 +181,39 @@ def test_schedule_cli_shows_and_prices_the_swaps(capsys):
     assert json.loads(capsys.readouterr().out)["makespan"] > free
     assert main(["schedule", "show", "chimera", "-D", "2", "-N", "4", "--offload", "optimizer"]) == 0
     assert "d0GRAD_OUT u1GRAD_OUT OPT d0SWAP_IN u1SWAP_IN" in capsys.readouterr().out
+
+
+def test_host_store_swaps_and_saved_weights_follow_the_swapped_in_copy():
+    """Weights offloaded: a saved view of a device weight becomes a reference, resolved against the copy swapped
+    in for the backward (so the forward's copy can be released); bytes moved are counted."""
+    import torch
+    from torch import nn
+
+    from chimera.runtime.compute import _saving
+    from chimera.runtime.offload import HostStore, WeightRef
+
+    class ViewMatmul(nn.Module):  # saves w.t(), a view of the weight, for the backward
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.mm(x, self.w.t())
+
+    mod, ref = ViewMatmul(), ViewMatmul()
+    x = torch.randn(2, 4, requires_grad=True)
+    store = HostStore({("down", 0): mod}, Offload("everything"), torch.device("cpu"))
+    assert mod.w.numel() == 0 and store.home(mod.w).shape == (3, 4)  # only the host holds it
+    store.swap_in(("down", 0))
+    assert isinstance(store.pack(mod.w.t()), WeightRef) and store.pack(x) is x
+    with _saving(None, store):
+        out = mod(x).square().sum()
+    store.swap_out(("down", 0))
+    with pytest.raises(RuntimeError, match="lacks a SWAP_IN"):
+        out.backward(retain_graph=True)
+    store.swap_in(("down", 0))
+    out.backward()
+    ref(x.detach()).square().sum().backward()
+    store.grads_out(("down", 0))
+    assert mod.w.grad is None and torch.equal(store.home(mod.w).grad, ref.w.grad)
+    assert store.moved == 2 * 12 * 4 + 12 * 4  # two swap-ins, one gradient out (float32)
