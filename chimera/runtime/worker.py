@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from chimera.job import Job
+from chimera.runtime.checkpoint import Checkpointer
 from chimera.runtime.comm import CommBatches, Communicator
 from chimera.runtime.compute import StageCompute
 from chimera.runtime.executor import Executor, Handler, segments
@@ -53,6 +54,7 @@ class StepResult:
     digests: dict[tuple[str, int], str] = field(default_factory=dict)
     payloads: dict[int, int] = field(default_factory=dict)  # bytes per message/allreduce -> how many
     memory: dict[str, int] = field(default_factory=dict)  # peak bytes held and its breakdown (--profile-memory)
+    checkpoint_s: float = 0.0  # seconds the step was held by saving a checkpoint (a copy; the write runs behind)
 
 
 class PipelineWorker:
@@ -104,6 +106,10 @@ class PipelineWorker:
         self.ledger = MemoryLedger(self.stages, self.batches) if account else None
         self.recorder = (EventRecorder(self.rank, self.device, sched.bidirectional)
                          if self.cfg.profiling.profile or self.cfg.profiling.nsys else None)
+        self.checkpoints = (Checkpointer(self.job, self.rank, self.worker, self.dp_rank, self.stages, self.device)
+                            if t.checkpoint_dir is not None or self.job.resume is not None else None)
+        if self.job.resume is not None:
+            self.checkpoints.restore(self.job.resume)  # type: ignore[union-attr]
         return {"rank": self.rank, "worker": self.worker, "stages": sorted(self.stages.modules),
                 "device": str(self.device), "params": sum(p.numel() for p in self.stages.params), "pid": os.getpid()}
 
@@ -126,8 +132,9 @@ class PipelineWorker:
         loss_sum = float(st.loss_sum)
         elapsed = time.perf_counter() - t_start
         digests = self.stages.digests() if self.cfg.training.check_replicas else {}
+        held = self.checkpoints.after_step(step) if self.checkpoints else 0.0
         return StepResult(step, self.rank, loss_sum, st.loss_count, elapsed, st.grad_norm, events, digests,
-                          self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {})
+                          self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {}, held)
 
     def _optimizer_step(self, a: Action, st: StepState) -> None:
         self.batches.wait_sends()
@@ -142,6 +149,8 @@ class PipelineWorker:
         return self.stages.state()
 
     def close(self) -> None:
-        """Leave the process group."""
+        """Finish a checkpoint write in progress; leave the process group."""
+        if getattr(self, "checkpoints", None) is not None:
+            self.checkpoints.close()
         if dist.is_initialized():
             dist.destroy_process_group()
