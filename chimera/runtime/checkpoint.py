@@ -29,6 +29,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,18 @@ def _layer_params(stages: Any, owned: bool, rank_stage_owner: Any) -> list[tuple
         for i, layer in zip(mod.indices, mod.layers):
             for name, p in layer.named_parameters(remove_duplicate=False):
                 out.append((f"layer{i}.{name}", p))
+    return out
+
+
+def load(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (a step directory or a root: its latest), verified, on the CPU, by key."""
+    p, _ = read(path)
+    reader = dcp.FileSystemReader(str(p))
+    saved = reader.read_metadata().state_dict_metadata
+    out = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in saved.items() if hasattr(md, "size")}
+    with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(out, storage_reader=reader, no_dist=True)
     return out
 
 

@@ -103,6 +103,9 @@ class PipelineWorker:
             Kind.OPTIMIZER_STEP: self._optimizer_step,
         }
         self.executor = Executor(segs, handlers, self.batches, self.name)
+        self._seg_starts = [sum(len(x) for x in segs[:k]) for k in range(len(segs))]
+        self.step_now = self.job.first_step
+        self.failed_step: int | None = None
         self.ledger = MemoryLedger(self.stages, self.batches) if account else None
         self.recorder = (EventRecorder(self.rank, self.device, sched.bidirectional)
                          if self.cfg.profiling.profile or self.cfg.profiling.nsys else None)
@@ -113,8 +116,22 @@ class PipelineWorker:
         return {"rank": self.rank, "worker": self.worker, "stages": sorted(self.stages.modules),
                 "device": str(self.device), "params": sum(p.numel() for p in self.stages.params), "pid": os.getpid()}
 
+    def pending(self) -> dict[str, Any]:
+        """Where this worker is: its step and the index (in its action list) of the action it runs or waits on;
+        within a communication batch its first receive. Safe to call from another thread while a step runs."""
+        k = self.executor.at
+        index = None
+        if k is not None:
+            seg = self.executor.segments[k]
+            first = next((i for i, a in enumerate(seg) if a.kind.is_p2p and not a.kind.is_send), 0)
+            index = self._seg_starts[k] + first
+        return {"rank": self.rank, "worker": self.worker, "step": self.step_now, "index": index}
+
     def train_step(self, step: int) -> StepResult:
         """Run the whole action list once; returns loss sums (last-stage workers) and optional events."""
+        if self.failed_step is not None:  # a step queued behind a failed one: the process group is broken
+            raise RuntimeError(f"{self.name}: step {step} not run, step {self.failed_step} failed")
+        self.step_now = step
         stall = self.cfg.training.debug_stall
         if stall and stall[0] == self.rank:
             time.sleep(stall[1])
@@ -127,7 +144,11 @@ class PipelineWorker:
         self.stages.start_step()
         if self.ledger:
             self.ledger.start_step()
-        self.executor.run(st, rec, self.ledger)
+        try:
+            self.executor.run(st, rec, self.ledger)
+        except BaseException:
+            self.failed_step = step  # keeps its position for pending()
+            raise
         events = rec.finish() if rec else []
         loss_sum = float(st.loss_sum)
         elapsed = time.perf_counter() - t_start
