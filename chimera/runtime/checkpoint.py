@@ -153,7 +153,7 @@ def resume_point(job: Any, path: str) -> ResumePoint:
     step = manifest["step"]
     if step >= job.cfg.training.steps:
         raise CheckpointError(f"{p} has {step} steps done and --steps is {job.cfg.training.steps}; raise --steps")
-    return ResumePoint(str(p), step, manifest, manifest["layout"] == layout(job))
+    return ResumePoint(str(p.resolve()), step, manifest, manifest["layout"] == layout(job))
 
 
 def _layer_params(stages: Any, owned: bool, rank_stage_owner: Any) -> list[tuple[str, torch.nn.Parameter]]:
