@@ -80,6 +80,7 @@ def test_interrupted_write_keeps_the_last_good_checkpoint(full, tmp_path):
     assert job.first_step == 2
     res = run_local(job, return_state=True)
     assert [m["loss"] for m in res.metrics] == full[0][2:]
+    assert ["checkpoint_s" in m for m in res.metrics] == [False, True, False, True]  # the copy's time, when saved
     params = _by_layer(res, job)
     assert all(torch.equal(params[k], full[1][k]) for k in params)
     assert [p.name for p in complete(tmp_path)] == ["step-00000002", "step-00000004", "step-00000006"]
