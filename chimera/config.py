@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import types
 import typing
 import warnings
 from collections.abc import Mapping
@@ -31,12 +30,9 @@ from chimera.models import ChainError, LayerChain, build_model, partition
 from chimera.optim import OPTIMIZERS
 from chimera.optim import SCHEDULES as LR_SCHEDULES
 from chimera.schedule import CHIMERA_MODES, ScheduleConfigError, build_schedule, lower, validate
+from chimera.validation import ConfigError, type_ok, writable_path
 
 PAYLOADS = ("full", "single-byte")
-
-
-class ConfigError(ValueError):
-    """An invalid training configuration; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -221,38 +217,13 @@ def flag_of(section: str, name: str) -> str:
     return _FLAGS.get((section, name), "--" + name.replace("_", "-"))
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return True
-    if origin in (types.UnionType, typing.Union):
-        return any(_type_ok(value, a) for a in args)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if origin is tuple:
-        if not isinstance(value, tuple):
-            return False
-        if len(args) == 2 and args[1] is Ellipsis:
-            return all(_type_ok(v, args[0]) for v in value)
-        return len(value) == len(args) and all(_type_ok(v, a) for v, a in zip(value, args))
-    if origin is not None:
-        return isinstance(value, origin)
-    return isinstance(value, hint)
-
-
 def _check_types(cfg: TrainConfig) -> None:
     """Every field has its declared type (a value from Python, or an argparse quirk such as ``--steps=--``)."""
     for sec, cls in _SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             value = getattr(getattr(cfg, sec), f.name)
-            if not _type_ok(value, hints[f.name]):
+            if not type_ok(value, hints[f.name]):
                 want = str(hints[f.name]).replace("typing.", "").replace("collections.abc.", "")
                 raise ConfigError(f"{flag_of(sec, f.name)} must be of type {want}, got {value!r}")
 
@@ -332,20 +303,6 @@ def _check_checkpoints(job: Job) -> Job:
         return dataclasses.replace(job, resume=resume_point(job, t.resume))
     except CheckpointError as e:
         raise ConfigError(f"--resume {t.resume}: {e}") from None
-
-
-def writable_path(path: str, flag: str, directory: bool) -> None:
-    """Raise :class:`ConfigError` unless ``path`` can be written as a file (``directory=False``) or a directory."""
-    p = os.path.abspath(path)
-    if not directory and os.path.isdir(p):
-        raise ConfigError(f"{flag} {path} is a directory; give a file path (e.g. {os.path.join(path, 'run.jsonl')})")
-    if directory and os.path.exists(p) and not os.path.isdir(p):
-        raise ConfigError(f"{flag} {path} is a file; give a directory")
-    parent = p if directory and os.path.isdir(p) else os.path.dirname(p)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {path}: cannot write under {parent} (permission denied); choose a writable path")
 
 
 def _preset_chain(m: ModelConfig) -> LayerChain:

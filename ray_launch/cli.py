@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from chimera.config import ConfigError, writable_path
+from chimera.config import ConfigError
 from chimera.flags import add_train_args, config_from_args
 from chimera.job import Job
+from chimera.validation import writable_path
 from ray_launch.config import LaunchConfig, add_launch_args, launch_from_args
 from ray_launch.driver import RunError, run
 

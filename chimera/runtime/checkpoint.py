@@ -30,6 +30,7 @@ import signal
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,11 +157,12 @@ def resume_point(job: Any, path: str) -> ResumePoint:
     return ResumePoint(str(p.resolve()), step, manifest, manifest["layout"] == layout(job))
 
 
-def _layer_params(stages: Any, owned: bool, rank_stage_owner: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    """(key, parameter) of every layer in the worker's stages (only the stages it owns when ``owned``)."""
+def _layer_params(stages: Any, keep: Callable[[tuple[str, int]], bool] = lambda key: True
+                  ) -> list[tuple[str, torch.nn.Parameter]]:
+    """(key, parameter) of every layer in the worker's stage replicas ``(pipe, stage)`` that ``keep`` accepts."""
     out = []
     for key, mod in stages.modules.items():
-        if owned and not rank_stage_owner(key):
+        if not keep(key):
             continue
         for i, layer in zip(mod.indices, mod.layers):
             for name, p in layer.named_parameters(remove_duplicate=False):
@@ -221,7 +223,7 @@ class Checkpointer:
     def _copy(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
         opt = self.stages.optimizer.state
-        for key, p in _layer_params(self.stages, True, self.owns):
+        for key, p in _layer_params(self.stages, self.owns):
             state[key] = p.detach().to("cpu", copy=True)
             for k, v in opt.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
@@ -274,7 +276,7 @@ class Checkpointer:
         and (same layout) this rank's RNG states from ``point``."""
         reader = dcp.FileSystemReader(point.path)
         saved = reader.read_metadata().state_dict_metadata
-        params = _layer_params(self.stages, False, self.owns)
+        params = _layer_params(self.stages)
         missing = sorted({k for k, _ in params if k not in saved})
         if missing:
             raise CheckpointError(f"{point.path} has no {missing[:3]}: not a checkpoint of this model")
