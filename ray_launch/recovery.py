@@ -54,20 +54,23 @@ def train(job: Job, launch: LaunchConfig | None = None, *, out: str | Path | Non
     one record per step."""
     launch = (launch or LaunchConfig()).check()
     log = (lambda msg: print(msg, file=sys.stderr)) if progress else (lambda msg: None)
+    quiet = None if progress else (lambda msg: None)
     records: dict[int, dict[str, Any]] = {}
     restarts = 0
+    attempt = RayJob(job, launch, log=quiet)  # refuses what the launch cannot do before Ray starts
     started = connect(launch, job.world_size)  # one Ray for every attempt
     try:
         with _metrics(out) as write:
             while True:
                 try:
-                    _attempt(job, launch, records, write, progress)
+                    _attempt(attempt, records, write, progress)
                     break
                 except WorkerLost as e:
                     if restarts >= job.cfg.training.max_restarts:
                         raise
                     restarts += 1
                     job, event = _restart(job, e, restarts, max(records, default=job.first_step - 1) + 1)
+                    attempt = RayJob(job, launch, log=quiet)
                     write(event)
                     log(f"restart {restarts}/{job.cfg.training.max_restarts}: {event['error']}; resuming from step "
                         f"{event['resumed_from_step']} ({event['steps_rerun']} step(s) run again)")
@@ -90,13 +93,14 @@ def _restart(job: Job, error: Exception, n: int, failed_at: int) -> tuple[Job, d
     return replace(job, resume=point), event
 
 
-def _attempt(job: Job, launch: LaunchConfig, records: dict[int, dict[str, Any]],
-             write: Callable[[dict[str, Any]], None], progress: bool) -> None:
+def _attempt(ray_job: RayJob, records: dict[int, dict[str, Any]], write: Callable[[dict[str, Any]], None],
+             progress: bool) -> None:
     """One run of the job's remaining steps on fresh actors; records and writes every step."""
+    job = ray_job.job
     cfg = job.cfg
     steps = range(job.first_step, cfg.training.steps)
     events: list[Event] = []
-    with RayJob(job, launch, log=None if progress else (lambda msg: None)) as ray_job:
+    with ray_job:
         bar = tqdm(ray_job.steps(steps), total=len(steps), desc=cfg.run_name, disable=not progress, unit="step",
                    dynamic_ncols=True)
         for rec in bar:
