@@ -33,6 +33,7 @@ from chimera.config import ConfigError, TrainConfig
 from chimera.job import Job
 from chimera.runtime import summarize_step
 from chimera.runtime.checkpoint import remove_partial
+from chimera.runtime.comm import StallError
 from chimera.runtime.hang import hang_report
 from chimera.runtime.launch import WorkerError
 from ray_launch.actor import WorkerActor
@@ -111,7 +112,7 @@ def _failure(ref: Any, rank: int, what: str, wait: bool = True) -> RunError | No
         ray.get(ref)
     except RayTaskError as e:
         cause = e.cause if getattr(e, "cause", None) is not None else e
-        kind = Stalled if type(cause).__name__ == "StallError" else RunError
+        kind = Stalled if isinstance(cause, StallError) else RunError
         return kind(f"worker {rank} failed in {what}: {type(cause).__name__}: {cause}")
     except RayActorError as e:
         return WorkerLost(f"worker {rank} died in {what}: {e}")
