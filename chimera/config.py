@@ -15,7 +15,9 @@ runtime), ``profiling`` (timelines). Options of the Ray launcher live with it (`
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import typing
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,12 +39,9 @@ from chimera.schedule import (
     lower,
     validate,
 )
+from chimera.validation import ConfigError, type_ok, writable_path
 
 PAYLOADS = ("full", "single-byte")
-
-
-class ConfigError(ValueError):
-    """An invalid training configuration; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +90,11 @@ class TrainingConfig:
     prefetch: int = 1  # weights offloaded: swap a stage's weights in this many compute actions ahead
     check_replicas: bool = False
     debug_stall: tuple[int, float] | None = None  # (worker rank, seconds): fault injection for timeout tests
+    checkpoint_dir: str | None = None  # where checkpoints go (chimera.runtime.checkpoint); made absolute by check()
+    checkpoint_every: int = 0  # save after every K-th step (0: only with --checkpoint-dir, then at the last step)
+    resume: str | None = None  # a checkpoint directory (or the root of --checkpoint-dir: its latest checkpoint)
+    max_restarts: int = 0  # Ray: restart from the last checkpoint after a lost worker, at most this often
+    debug_kill_in_save: int | None = None  # fault injection: rank 0 kills itself while writing this step's checkpoint
 
 
 @dataclass(frozen=True)
@@ -177,12 +181,13 @@ class TrainConfig:
             sched = build_schedule(s.name, s.stages, s.micro_batches, chunks=s.chunks, mode=s.mode,
                                    data_parallel=s.data_parallel)
         except ScheduleConfigError as e:
-            raise ConfigError(str(e)) from None
+            raise ConfigError(str(e) if "--" in str(e) else f"--schedule {s.name}: {e}") from None
         if chain is None:
             chain = self.preset_chain()
         elif data is None and chain.data is None:
             raise ConfigError(f"{chain.name} has no dataset of its own: pass data (a function (step, micro-batch, "
                               "data-parallel rank) -> (inputs, labels), or a dataset with such a get())")
+        _check_memory(self, chain, sched)
         prediction = None
         if self.model.partition == "planned":
             from chimera.plan.auto import planned_partition
@@ -194,15 +199,17 @@ class TrainConfig:
         else:
             try:
                 stage_layers = partition(chain, sched.stages, _partition_method(self.model.partition))
+            except ConfigError:
+                raise
             except ValueError as e:
-                raise ConfigError(str(e)) from None
+                raise ConfigError(f"--partition {self.model.partition}: {e}") from None
         unit = int(s.micro_batch_size * sched.microbatch_scale)
         try:
             boundaries = chain.boundaries(unit)
         except ChainError as e:
             raise ConfigError(str(e)) from None
         cfg, lowered = self._fit_memory(chain, sched, stage_layers, unit)
-        return Job(cfg, chain, data, validate(lowered), stage_layers, boundaries, prediction)
+        return _check_checkpoints(Job(cfg, chain, data, validate(lowered), stage_layers, boundaries, prediction))
 
     def _fit_memory(self, chain: LayerChain, sched: Schedule, stage_layers: list[list[int]], unit: int
                     ) -> tuple[TrainConfig, Schedule]:
@@ -230,8 +237,31 @@ def _need(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+#: fields whose flag is not ``--`` + the name with dashes
+_FLAGS = {("model", "name"): "--model", ("schedule", "name"): "--schedule", ("model", "overrides"): "model overrides",
+          ("training", "timeout_s"): "--timeout", ("profiling", "memory"): "--profile-memory",
+          ("training", "amp"): "--no-amp"}
+
+
+def flag_of(section: str, name: str) -> str:
+    """The command-line flag of a config field (``("training", "timeout_s")`` -> ``--timeout``)."""
+    return _FLAGS.get((section, name), "--" + name.replace("_", "-"))
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    """Every field has its declared type (a value from Python, or an argparse quirk such as ``--steps=--``)."""
+    for sec, cls in _SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(cfg, sec), f.name)
+            if not type_ok(value, hints[f.name]):
+                want = str(hints[f.name]).replace("typing.", "").replace("collections.abc.", "")
+                raise ConfigError(f"{flag_of(sec, f.name)} must be of type {want}, got {value!r}")
+
+
 def _check_fields(cfg: TrainConfig) -> None:
     """Every field that can be checked on its own; messages name the flag and what to change."""
+    _check_types(cfg)
     s, t, p = cfg.schedule, cfg.training, cfg.profiling
     _need(s.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {s.micro_batch_size}")
     _need(s.mode in CHIMERA_MODES, f"--mode must be one of {', '.join(CHIMERA_MODES)}, got {s.mode!r}")
@@ -242,12 +272,15 @@ def _check_fields(cfg: TrainConfig) -> None:
     _need(t.device in ("cpu", "cuda"), f"--device must be 'cpu' or 'cuda', got {t.device!r}")
     _need(t.optimizer in OPTIMIZERS, f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}")
     _need(t.lr > 0, f"--lr must be > 0, got {t.lr}")
-    _need(t.weight_decay >= 0, f"--weight-decay must be >= 0, got {t.weight_decay}")
+    _need(math.isfinite(t.lr), f"--lr must be finite, got {t.lr}")
+    _need(t.weight_decay >= 0 and math.isfinite(t.weight_decay),
+          f"--weight-decay must be a finite number >= 0, got {t.weight_decay}")
     _need(t.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {t.warmup_steps}")
     _need(t.lr_schedule in LR_SCHEDULES,
           f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {t.lr_schedule!r}")
-    _need(t.timeout_s > 0, f"--timeout must be > 0 seconds, got {t.timeout_s}")
-    _need(t.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {t.clip_grad}")
+    _need(0 < t.timeout_s <= 7 * 86400, f"--timeout must be > 0 seconds and at most a week, got {t.timeout_s}")
+    _need(t.clip_grad >= 0 and math.isfinite(t.clip_grad),
+          f"--clip-grad must be a finite number >= 0 (0 disables clipping), got {t.clip_grad}")
     _need(t.threads is None or t.threads >= 1, f"--threads must be >= 1, got {t.threads}")
     _need(t.offload in (*OFFLOAD_POLICIES, "auto"),
           f"--offload must be one of {', '.join((*OFFLOAD_POLICIES, 'auto'))}, got {t.offload!r}")
@@ -264,9 +297,54 @@ def _check_fields(cfg: TrainConfig) -> None:
             parse_bytes(t.memory_per_worker)
         except ValueError as e:
             raise ConfigError(f"--memory-per-worker: {e}") from None
+    _need(t.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 steps, got {t.checkpoint_every}")
+    _need(t.checkpoint_every == 0 or t.checkpoint_dir is not None,
+          "--checkpoint-every needs --checkpoint-dir DIR (where the checkpoints go)")
+    _need(t.max_restarts >= 0, f"--max-restarts must be >= 0, got {t.max_restarts}")
+    _need(t.max_restarts == 0 or t.checkpoint_dir is not None,
+          "--max-restarts restarts from the last checkpoint: add --checkpoint-dir DIR and --checkpoint-every K")
+    if t.checkpoint_dir is not None:
+        writable_path(t.checkpoint_dir, "--checkpoint-dir", directory=True)
     _need(p.comm_payload in PAYLOADS, f"--comm-payload must be one of {', '.join(PAYLOADS)}, got {p.comm_payload!r}")
     bad = [x for x in p.profile_steps if not 0 <= x < t.steps]
     _need(not bad, f"--profile-steps {bad} are outside 0..{t.steps - 1}; raise --steps or pick other steps")
+
+
+def _check_memory(cfg: TrainConfig, chain: LayerChain, sched: Any) -> None:
+    """Refuse a configuration the memory model says cannot fit the memory a worker has (the uniform split stands in
+    for a planned one). A ``--memory-per-worker`` budget is checked later, with offload, by ``_fit_memory``."""
+    from chimera.plan.fit import check_fits
+
+    if cfg.training.memory_per_worker is not None:
+        return
+
+    method = "uniform" if cfg.model.partition == "planned" else _partition_method(cfg.model.partition)
+    try:
+        layers = partition(chain, sched.stages, method)
+        check_fits(cfg, chain, sched, layers)
+    except ChainError:
+        return  # reported with its own message by the checks that follow
+    except ValueError as e:
+        if str(e).startswith("--micro-batch-size"):
+            raise ConfigError(str(e)) from None
+
+
+def _check_checkpoints(job: Job) -> Job:
+    """Make the checkpoint paths absolute (workers may run elsewhere) and check a checkpoint to resume from."""
+    t = job.cfg.training
+    if t.checkpoint_dir is None and t.resume is None:
+        return job
+    from chimera.runtime.checkpoint import CheckpointError, resume_point
+
+    ckpt = os.path.abspath(t.checkpoint_dir) if t.checkpoint_dir else None
+    cfg = dataclasses.replace(job.cfg, training=dataclasses.replace(t, checkpoint_dir=ckpt))
+    job = dataclasses.replace(job, cfg=cfg)
+    if t.resume is None:
+        return job
+    try:
+        return dataclasses.replace(job, resume=resume_point(job, t.resume))
+    except CheckpointError as e:
+        raise ConfigError(f"--resume {t.resume}: {e}") from None
 
 
 def _preset_chain(m: ModelConfig) -> LayerChain:

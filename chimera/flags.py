@@ -73,6 +73,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "activations, messages) and report each step's peak")
     p.add_argument("--check-replicas", action="store_true",
                    help="after every step, verify that all replicas of each stage are bitwise identical")
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (one directory per saved step)")
+    p.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every,
+                   help="save after every K-th step (0: only after the last step); needs --checkpoint-dir")
+    p.add_argument("--resume", default=None, help="continue from a checkpoint: a --checkpoint-dir (its latest "
+                   "complete checkpoint) or one step's directory in it; other D, W or schedule re-partition")
+    p.add_argument("--max-restarts", type=int, default=t.max_restarts,
+                   help="Ray: after a lost worker, restart from the last checkpoint at most this often")
 
 
 def _steps(text: str) -> tuple[int, ...]:

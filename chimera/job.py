@@ -40,6 +40,12 @@ class Job:
     stage_layers: list[list[int]]
     boundaries: list[list[TensorSpec]]
     prediction: dict[str, Any] | None = None
+    resume: Any = None  # chimera.runtime.checkpoint.ResumePoint: the checkpoint the workers start from
+
+    @property
+    def first_step(self) -> int:
+        """The step the run starts at: 0, or the step after the resumed checkpoint."""
+        return self.resume.step if self.resume is not None else 0
 
     @property
     def world_size(self) -> int:

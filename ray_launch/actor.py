@@ -14,9 +14,14 @@ from chimera.job import Job
 from chimera.runtime import PipelineWorker, StepResult
 
 
-@ray.remote(max_restarts=0, max_task_retries=0)
+@ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"control": 1})
 class WorkerActor:
-    """Wraps :class:`chimera.runtime.PipelineWorker`; the driver calls setup, then step per iteration."""
+    """Wraps :class:`chimera.runtime.PipelineWorker`; the driver calls setup, then step per iteration.
+
+    Not restarted by Ray: a torch process group cannot take back one restarted member, so the driver restarts
+    the whole group from the last checkpoint instead. ``pending`` runs in its own concurrency group, so it
+    answers while a step is blocked.
+    """
 
     def __init__(self) -> None:
         self.worker: PipelineWorker | None = None
@@ -44,6 +49,11 @@ class WorkerActor:
     def step(self, step: int) -> StepResult:
         assert self.worker is not None, "setup() first"
         return self.worker.train_step(step)
+
+    @ray.method(concurrency_group="control")
+    def pending(self) -> dict[str, Any] | None:
+        """The step and the action this worker runs or waits on (None before setup)."""
+        return self.worker.pending() if self.worker is not None else None
 
     def state(self) -> bytes:
         """Every stage replica's parameters (torch.save bytes), for parity checks."""

@@ -16,6 +16,7 @@ from typing import Any
 from chimera.config import ConfigError
 from chimera.flags import add_train_args, config_from_args
 from chimera.job import Job
+from chimera.validation import writable_path
 from ray_launch.config import LaunchConfig, add_launch_args, launch_from_args
 from ray_launch.driver import RunError, run
 
@@ -51,11 +52,12 @@ def run_from_args(ns: argparse.Namespace) -> int:
     """Run from parsed flags; configuration errors: one line, exit code 2."""
     try:
         job, launch = _checked(ns)
+        out = ns.out or f"profiles/{job.cfg.run_name}.metrics.jsonl"
+        writable_path(out, "--out", directory=False)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = job.cfg
-    out = ns.out or f"profiles/{cfg.run_name}.metrics.jsonl"
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         records = run(job, launch, out=out, progress=not ns.no_progress)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import shutil
 import socket
@@ -21,7 +20,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +28,14 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from tqdm import tqdm
 
 from chimera.config import ConfigError, TrainConfig
 from chimera.job import Job
 from chimera.runtime import summarize_step
+from chimera.runtime.checkpoint import remove_partial
+from chimera.runtime.comm import StallError
+from chimera.runtime.hang import hang_report
 from chimera.runtime.launch import WorkerError
-from chimera.timeline import Event
-from chimera.timeline.report import write_profile
 from ray_launch.actor import WorkerActor
 from ray_launch.config import LaunchConfig
 from ray_launch.placement import PlacementError, assign, cluster_nodes, format_map, run_pre_commands
@@ -45,6 +43,14 @@ from ray_launch.placement import PlacementError, assign, cluster_nodes, format_m
 
 class RunError(RuntimeError):
     """The run failed; the message names the worker and what it was doing."""
+
+
+class WorkerLost(RunError):
+    """A worker actor died (process killed, node lost): the run can restart from its last checkpoint."""
+
+
+class Stalled(RunError):
+    """A worker's blocking wait ran past ``--timeout``."""
 
 
 def _check_reachable(address: str, timeout_s: float) -> None:
@@ -77,38 +83,40 @@ def _gather(refs: Sequence[Any], what: str, timeout_s: float) -> list[Any]:
     rank_of = {ref: r for r, ref in enumerate(refs)}
     pending = list(refs)
     deadline = time.monotonic() + timeout_s
+    failed = False
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise RunError(f"{what}: worker(s) {sorted(rank_of[r] for r in pending)} gave no answer within "
                            f"{timeout_s:g} s")
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(remaining, 1.0))
-        if pending:
-            for ref in ready:
-                _raise_if_failed(ref, rank_of[ref], what)
-    try:
-        return ray.get(list(refs))
-    except (RayTaskError, RayActorError):
-        errors = [e for ref in refs if (e := _failure(ref, rank_of[ref], what)) is not None]
-        root = [e for e in errors if "stalled" not in str(e)]
-        raise (root or errors)[0] from None
+        if pending and any(_failure(ref, rank_of[ref], what) for ref in ready):
+            # one failed: let the others report for a moment, so the root cause (a lost worker) wins
+            ray.wait(pending, num_returns=len(pending), timeout=min(remaining, 3.0))
+            failed = True
+            break
+    if not failed:
+        try:
+            return ray.get(list(refs))
+        except (RayTaskError, RayActorError):
+            pass
+    errors = [e for ref in refs if (e := _failure(ref, rank_of[ref], what, wait=False)) is not None]
+    raise min(errors, key=lambda e: (not isinstance(e, WorkerLost), isinstance(e, Stalled))) from None
 
 
-def _failure(ref: Any, rank: int, what: str) -> RunError | None:
+def _failure(ref: Any, rank: int, what: str, wait: bool = True) -> RunError | None:
+    """The error of a finished ``ref`` (None when it succeeded, or, with ``wait=False``, is still running)."""
+    if not wait and not ray.wait([ref], timeout=0)[0]:
+        return None
     try:
         ray.get(ref)
     except RayTaskError as e:
         cause = e.cause if getattr(e, "cause", None) is not None else e
-        return RunError(f"worker {rank} failed in {what}: {type(cause).__name__}: {cause}")
+        kind = Stalled if isinstance(cause, StallError) else RunError
+        return kind(f"worker {rank} failed in {what}: {type(cause).__name__}: {cause}")
     except RayActorError as e:
-        return RunError(f"worker {rank} died in {what}: {e}")
+        return WorkerLost(f"worker {rank} died in {what}: {e}")
     return None
-
-
-def _raise_if_failed(ref: Any, rank: int, what: str) -> None:
-    err = _failure(ref, rank, what)
-    if err is not None:
-        raise err
 
 
 def connect(launch: LaunchConfig, world: int) -> bool:
@@ -217,6 +225,7 @@ class RayJob:
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> RayJob:
         try:
+            remove_partial(self.cfg.training.checkpoint_dir)  # an interrupted write of an earlier run
             self.started_ray = connect(self.launch, self.job.world_size)
             self._place()
             self._setup()
@@ -314,11 +323,30 @@ class RayJob:
     def collect(self, step: int, refs: list[Any]) -> dict[str, Any]:
         """Wait for the results of a submitted ``step``; return the metrics record."""
         cfg = self.cfg
-        results = _gather(refs, f"step {step}", cfg.training.timeout_s * 5 + 60)
+        try:
+            results = _gather(refs, f"step {step}", cfg.training.timeout_s * 5 + 60)
+        except Stalled as e:
+            raise Stalled(f"{e}\n{self.hang_report()}") from None
         try:
             return summarize_step(cfg, results) | {"_results": results}
         except WorkerError as e:
             raise RunError(str(e)) from None
+
+    def hang_report(self, timeout_s: float = 5.0) -> str:
+        """Every worker's pending action on the step x worker grid of its data-parallel group, and who waits for
+        whom (``chimera.runtime.hang``); asked of the actors while their steps are blocked."""
+        refs = [a.pending.remote() for a in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        where: dict[int, Any] = {}
+        for r, ref in enumerate(refs):
+            try:
+                where[r] = ray.get(ref, timeout=0)
+            except Exception:  # no answer in time, or dead
+                where[r] = None
+        sched = self.job.schedule
+        D = sched.workers
+        grids = [hang_report(sched, {w: where.get(g * D + w) for w in range(D)}, g) for g in range(sched.data_parallel)]
+        return "what every worker waits on (>..< on the grid):\n" + "\n".join(grids)
 
     def step(self, step: int) -> dict[str, Any]:
         """Run one step on every worker; return the metrics record."""
@@ -354,43 +382,8 @@ class RayJob:
 
 def run(job: Job | TrainConfig, launch: LaunchConfig | None = None, *, out: str | Path | None = None,
         progress: bool = True) -> list[dict[str, Any]]:
-    """Train the job's steps on Ray; write JSONL metrics to ``out``; return the records."""
-    job = job if isinstance(job, Job) else job.check()
-    cfg = job.cfg
-    steps = cfg.training.steps
-    records: list[dict[str, Any]] = []
-    events: list[Event] = []
-    out_file = None
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        out_file = open(out, "w")  # noqa: SIM115 - closed in finally
-    try:
-        with RayJob(job, launch, log=None if progress else (lambda msg: None)) as ray_job:
-            bar = tqdm(ray_job.steps(range(steps)), total=steps, desc=cfg.run_name, disable=not progress,
-                       unit="step", dynamic_ncols=True)
-            for rec in bar:
-                for r in rec.pop("_results"):
-                    off = ray_job.clock_offsets[r.rank] if ray_job.clock_offsets else 0.0
-                    events += [replace(e, start=e.start - off, end=e.end - off) for e in r.events]
-                records.append(rec)
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_s=f"{rec['samples_per_s']:.1f}")
-                if out_file:
-                    out_file.write(json.dumps(rec) + "\n")
-                    out_file.flush()
-            if cfg.profiling.profile:
-                s, device = cfg.schedule, cfg.training.device
-                meta = {"model": cfg.model.name, "schedule": s.name, "stages": s.stages, "mode": s.mode,
-                        "micro_batches": s.micro_batches, "micro_batch_size": s.micro_batch_size,
-                        "data_parallel": s.data_parallel, "device": device, "comm_payload": cfg.profiling.comm_payload,
-                        "training_result": cfg.is_training_result, "profile_steps": sorted({e.iteration for e in events}),
-                        "clock_offsets_s": ray_job.clock_offsets, "clock_uncertainty_s": ray_job.clock_uncertainty,
-                        "clock": "CUDA events" if device == "cuda" else "CLOCK_MONOTONIC",
-                        **({"offload": job.cfg.training.offload, "swap_bytes_per_step": records[-1]["swap_bytes"]}
-                           if records and "swap_bytes" in records[-1] else {})}
-                paths = write_profile(cfg.run_name, events, job.schedule, job.world_size, meta, ray_job.profile_dir)
-                if progress:
-                    print("profile: " + " ".join(str(p) for p in paths.values()))
-    finally:
-        if out_file:
-            out_file.close()
-    return records
+    """Train the job's steps on Ray; write JSONL metrics to ``out``; return the records (one per step). A lost
+    worker restarts the run from its last checkpoint, up to ``--max-restarts`` times (``ray_launch.recovery``)."""
+    from ray_launch.recovery import train
+
+    return train(job if isinstance(job, Job) else job.check(), launch, out=out, progress=progress)

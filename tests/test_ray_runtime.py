@@ -63,6 +63,13 @@ def test_stalled_worker_is_named_and_actors_are_gone(ray_session):
     msg = str(e.value)
     assert "worker 0" in msg and "stalled" in msg and "micro-batch" in msg and "RECV" in msg
     assert time.monotonic() - t0 < 60
+    # the hang grid: every worker's pending action on the validator's grid, and who waits for whom
+    lines = msg[msg.index("what every worker waits on"):].splitlines()
+    assert lines[1].split() == ["step", "w0", "w1"] and len(lines) > 5
+    [marked] = [x for x in lines[1:] if ">" in x]
+    assert ">u1RECV_F0<" in marked
+    assert "worker 0: step 0, action 2 u1RECV_F0 (RECV_ACT, micro-batch 0) waits for worker 1" in msg
+    assert "worker 1: step 0, not inside the action list" in msg  # asleep before its first action
     assert _wait_no_actors(ray_session) == []
 
 

@@ -271,7 +271,8 @@ class LayerRun:
 
     def stash_bytes(self) -> int:
         """Bytes of the unique storages the autograd graph saves during the forward, parameters excluded."""
-        params = {p.untyped_storage().data_ptr() for p in self.layer.parameters()}
+        # storages are told apart by their StorageImpl (``_cdata``), which also works on the meta device
+        params = {p.untyped_storage()._cdata for p in self.layer.parameters()}
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -279,8 +280,8 @@ class LayerRun:
                 s = t.untyped_storage()
             except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
                 return t
-            if s.data_ptr() not in params and s.nbytes():
-                saved[s.data_ptr()] = max(saved.get(s.data_ptr(), 0), s.nbytes())
+            if s._cdata not in params and s.nbytes():
+                saved[s._cdata] = max(saved.get(s._cdata, 0), s.nbytes())
             return t
 
         x, _ = self.leaves()

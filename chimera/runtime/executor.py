@@ -41,10 +41,12 @@ class Executor:
         self.segments = segs
         self.handlers = handlers
         self.batches = batches
+        self.at: int | None = None  # the segment running now (None between steps): what a hang report shows
 
     def run(self, st: StepState, recorder: EventRecorder | None = None, ledger: MemoryLedger | None = None) -> None:
         """Execute the whole list once for step ``st.step`` (the ledger looks after every segment)."""
         for k, seg in enumerate(self.segments):
+            self.at = k
             mark = recorder.begin(seg) if recorder else None
             if seg[0].kind.is_p2p:
                 self.batches.exchange(k, st)
@@ -54,3 +56,4 @@ class Executor:
                 recorder.end(seg, mark)
             if ledger:
                 ledger.observe(st)
+        self.at = None

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 from chimera.config import TrainConfig
 from chimera.job import Job
+from chimera.runtime.checkpoint import remove_partial
 from chimera.runtime.worker import PipelineWorker, StepResult
 
 
@@ -71,6 +72,7 @@ def summarize_step(cfg: TrainConfig, results: list[StepResult]) -> dict[str, Any
            if results[0].memory else {}),
         **({"swap_bytes": [r.swap_bytes for r in sorted(results, key=lambda r: r.rank)]}
            if cfg.training.offload != "none" else {}),
+        **({"checkpoint_s": max(r.checkpoint_s for r in results)} if any(r.checkpoint_s for r in results) else {}),
     }
 
 
@@ -89,7 +91,7 @@ def _worker_main(packed: bytes, rank: int, world: int, init: str, return_state: 
         job: Job = cloudpickle.loads(packed)
         worker = PipelineWorker(job, rank, world, init)
         worker.setup()
-        for step in range(job.cfg.training.steps):
+        for step in range(job.first_step, job.cfg.training.steps):
             out.put(("step", rank, worker.train_step(step)))
         if return_state:  # as bytes: tensors shared by fd die with this process before the parent reads them
             buf = io.BytesIO()
@@ -182,6 +184,7 @@ def run_local(job: Job | TrainConfig, *, return_state: bool = False, timeout_s: 
     cfg, t = job.cfg, job.cfg.training
     world = job.world_size
     packed = cloudpickle.dumps(job)
+    remove_partial(t.checkpoint_dir)
     limit = timeout_s if timeout_s is not None else t.timeout_s * (t.steps + 2) + 120
     steps: dict[int, list[StepResult]] = {}
     states: dict[int, Any] = {}

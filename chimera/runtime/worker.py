@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from chimera.job import Job
 from chimera.plan.memory import parse_bytes
+from chimera.runtime.checkpoint import Checkpointer
 from chimera.runtime.comm import CommBatches, Communicator
 from chimera.runtime.compute import StageCompute
 from chimera.runtime.executor import Executor, Handler, segments
@@ -55,6 +56,7 @@ class StepResult:
     payloads: dict[int, int] = field(default_factory=dict)  # bytes per message/allreduce -> how many
     memory: dict[str, int] = field(default_factory=dict)  # peak bytes held and its breakdown (--profile-memory)
     swap_bytes: int = 0  # bytes moved between host and device (--offload)
+    checkpoint_s: float = 0.0  # seconds the step was held by saving a checkpoint (a copy; the write runs behind)
 
 
 class PipelineWorker:
@@ -109,14 +111,35 @@ class PipelineWorker:
             handlers[Kind.SWAP_OUT] = lambda a, st: host.swap_out((a.pipe, a.stage))
             handlers[Kind.GRAD_OUT] = lambda a, st: host.grads_out((a.pipe, a.stage))
         self.executor = Executor(segs, handlers, self.batches, self.name)
+        self._seg_starts = [sum(len(x) for x in segs[:k]) for k in range(len(segs))]
+        self.step_now = self.job.first_step
+        self.failed_step: int | None = None
         self.ledger = MemoryLedger(self.stages, self.batches) if account else None
         self.recorder = (EventRecorder(self.rank, self.device, sched.bidirectional)
                          if self.cfg.profiling.profile or self.cfg.profiling.nsys else None)
+        self.checkpoints = (Checkpointer(self.job, self.rank, self.worker, self.dp_rank, self.stages, self.device)
+                            if t.checkpoint_dir is not None or self.job.resume is not None else None)
+        if self.job.resume is not None:
+            self.checkpoints.restore(self.job.resume)  # type: ignore[union-attr]
         return {"rank": self.rank, "worker": self.worker, "stages": sorted(self.stages.modules),
                 "device": str(self.device), "params": sum(p.numel() for p in self.stages.params), "pid": os.getpid()}
 
+    def pending(self) -> dict[str, Any]:
+        """Where this worker is: its step and the index (in its action list) of the action it runs or waits on;
+        within a communication batch its first receive. Safe to call from another thread while a step runs."""
+        k = self.executor.at
+        index = None
+        if k is not None:
+            seg = self.executor.segments[k]
+            first = next((i for i, a in enumerate(seg) if a.kind.is_p2p and not a.kind.is_send), 0)
+            index = self._seg_starts[k] + first
+        return {"rank": self.rank, "worker": self.worker, "step": self.step_now, "index": index}
+
     def train_step(self, step: int) -> StepResult:
         """Run the whole action list once; returns loss sums (last-stage workers) and optional events."""
+        if self.failed_step is not None:  # a step queued behind a failed one: the process group is broken
+            raise RuntimeError(f"{self.name}: step {step} not run, step {self.failed_step} failed")
+        self.step_now = step
         stall = self.cfg.training.debug_stall
         if stall and stall[0] == self.rank:
             time.sleep(stall[1])
@@ -129,7 +152,11 @@ class PipelineWorker:
         self.stages.start_step()
         if self.ledger:
             self.ledger.start_step()
-        self.executor.run(st, rec, self.ledger)
+        try:
+            self.executor.run(st, rec, self.ledger)
+        except BaseException:
+            self.failed_step = step  # keeps its position for pending()
+            raise
         if self.budget is not None and self.ledger and self.ledger.peak["total"] > self.budget:
             held = ", ".join(f"{k} {v}" for k, v in self.ledger.peak.items() if k != "total")
             raise RuntimeError(f"{self.name}: held {self.ledger.peak['total']} bytes on the device in step {step}, "
@@ -139,9 +166,10 @@ class PipelineWorker:
         loss_sum = float(st.loss_sum)
         elapsed = time.perf_counter() - t_start
         digests = self.stages.digests() if self.cfg.training.check_replicas else {}
+        held = self.checkpoints.after_step(step) if self.checkpoints else 0.0
         return StepResult(step, self.rank, loss_sum, st.loss_count, elapsed, st.grad_norm, events, digests,
                           self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {},
-                          self.stages.host.moved if self.stages.host else 0)
+                          self.stages.host.moved if self.stages.host else 0, held)
 
     def _optimizer_step(self, a: Action, st: StepState) -> None:
         self.batches.wait_sends()
@@ -156,6 +184,8 @@ class PipelineWorker:
         return self.stages.state()
 
     def close(self) -> None:
-        """Leave the process group."""
+        """Finish a checkpoint write in progress; leave the process group."""
+        if getattr(self, "checkpoints", None) is not None:
+            self.checkpoints.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,64 @@
+"""Does a configuration fit in memory? The planner's memory model applied before anything starts.
+
+The model needs per-layer bytes (parameters, optimizer state, what autograd saves, inputs and outputs) at the
+schedule's unit size. They come from the chain's shapes on the meta device, which allocates nothing, so any
+micro-batch size can be priced in well under a second without a profile::
+
+    peaks = estimate_peaks(chain, schedule, stage_layers, unit=4, optimizer="adamw", recompute=False)
+    check_fits(cfg, chain, schedule, stage_layers)   # ValueError naming --micro-batch-size when it cannot fit
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from chimera.plan.memory import GiB, WorkerMemory, parse_bytes, worker_memory
+from chimera.profile.shapes import shapes_profile
+from chimera.schedule import Schedule
+
+
+def estimate_peaks(chain: Any, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int, optimizer: str,
+                   recompute: bool, exchange: bool = True) -> list[WorkerMemory]:
+    """The memory model's peak per worker of one data-parallel group, from the chain's shapes
+    (:func:`chimera.profile.shapes.shapes_profile`)."""
+    return worker_memory(shapes_profile(chain, unit), schedule, stage_layers, unit, optimizer, recompute, exchange)
+
+
+def available_per_worker(cfg: Any, world: int) -> tuple[int, str] | None:
+    """(bytes, where from) one worker may use: ``--memory-per-worker``, else the free memory of the visible GPU
+    (``--device cuda``) or this machine's available memory shared by ``world`` workers; None when unknown."""
+    t = cfg.training
+    if t.memory_per_worker:
+        return parse_bytes(t.memory_per_worker), f"--memory-per-worker {t.memory_per_worker}"
+    if t.device == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        free, _ = torch.cuda.mem_get_info()
+        return free, "free memory of this machine's GPU"
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    return avail // max(1, world), f"{avail / GiB:.1f} GiB available on this machine / {world} workers"
+
+
+def check_fits(cfg: Any, chain: Any, schedule: Schedule, stage_layers: Sequence[Sequence[int]]) -> WorkerMemory:
+    """The largest worker's peak; ValueError with the estimate and what to change when it exceeds the memory a
+    worker has (:func:`available_per_worker`)."""
+    s, t = cfg.schedule, cfg.training
+    unit = int(s.micro_batch_size * schedule.microbatch_scale)
+    peaks = estimate_peaks(chain, schedule, stage_layers, unit, t.optimizer, t.recompute, t.device != "cuda")
+    worst = max(range(len(peaks)), key=lambda w: peaks[w].total)
+    peak = peaks[worst]
+    limit = available_per_worker(cfg, schedule.workers * schedule.data_parallel)
+    if limit is not None and peak.total > limit[0]:
+        raise ValueError(
+            f"--micro-batch-size {s.micro_batch_size} cannot fit: the memory model estimates {peak.total / GiB:.2f} "
+            f"GiB at worker {worst}'s peak (parameters {peak.params / GiB:.2f}, optimizer {peak.optimizer / GiB:.2f}, "
+            f"gradients {peak.grads / GiB:.2f}, activations {peak.activations / GiB:.2f}, messages "
+            f"{peak.messages / GiB:.2f}, gradient sums {peak.sync / GiB:.2f} GiB) but a worker has "
+            f"{limit[0] / GiB:.2f} GiB ({limit[1]}); lower --micro-batch-size, add --recompute or more --stages, "
+            "or set --memory-per-worker")
+    return peak
