@@ -26,19 +26,24 @@ class Reference(NamedTuple):
     grad_norms: list[float]
 
 
-def train_sequential(job: Job | TrainConfig) -> Reference:
-    """Train the job's steps on all N x W units of each step with gradient accumulation, in one process."""
+def train_sequential(job: Job | TrainConfig, then: tuple[int, Job] | None = None) -> Reference:
+    """Train the job's steps on all N x W units of each step with gradient accumulation, in one process.
+
+    ``then=(k, other)``: from step ``k`` on, the units of each step are ``other``'s (its N, W and data), as when a
+    checkpoint of step ``k`` is resumed with another layout.
+    """
     job = job if isinstance(job, Job) else job.check()
     t, sched = job.cfg.training, job.schedule
     model = SequentialModel(job.chain, t.seed)
     params = list(model.parameters())
     opt = build_optimizer(params, t.optimizer, lr=t.lr, weight_decay=t.weight_decay)
     lr = warmup_decay_schedule(opt, t.warmup_steps, max(t.steps, t.warmup_steps), t.lr_schedule)
-    data = job.units()
-    units, width = sched.microbatches, sched.data_parallel
-    scale = 1.0 / (units * width)
+    layouts = [(j.units(), j.schedule.microbatches, j.schedule.data_parallel)
+               for j in (job, *([then[1]] if then is not None else []))]
     losses, norms = [], []
     for step in range(t.steps):
+        data, units, width = layouts[1 if then is not None and step >= then[0] else 0]
+        scale = 1.0 / (units * width)
         total = 0.0
         for g in range(width):
             for i in range(units):
