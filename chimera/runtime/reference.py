@@ -33,7 +33,7 @@ def train_sequential(job: Job | TrainConfig, then: tuple[int, Job] | None = None
     checkpoint of step ``k`` is resumed with another layout.
     """
     job = job if isinstance(job, Job) else job.check()
-    t, sched = job.cfg.training, job.schedule
+    t = job.cfg.training
     model = SequentialModel(job.chain, t.seed)
     params = list(model.parameters())
     opt = build_optimizer(params, t.optimizer, lr=t.lr, weight_decay=t.weight_decay)
