@@ -58,6 +58,7 @@ class ScheduleConfig:
     data_parallel: int = 1
     chunks: int = 2
     mode: str = "direct"
+    split_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ class TrainConfig:
         s = self.schedule
         try:
             sched = build_schedule(s.name, s.stages, s.micro_batches, chunks=s.chunks, mode=s.mode,
-                                   data_parallel=s.data_parallel)
+                                   data_parallel=s.data_parallel, split_backward=s.split_backward)
         except ScheduleConfigError as e:
             raise ConfigError(str(e)) from None
         if chain is None:

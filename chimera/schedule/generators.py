@@ -17,6 +17,7 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from chimera.schedule.ir import DOWN, UP, Action, B, F, Schedule
+from chimera.schedule.lowering import split_backward as split_in_place
 
 
 class ScheduleConfigError(ValueError):
@@ -152,7 +153,7 @@ def _chimera_rows(d: int, units: int, group: int) -> list[list[Action]]:
 CHIMERA_MODES = ("direct", "doubling", "halving")
 
 
-def chimera(stages: int, microbatches: int, mode: str = "direct") -> Schedule:
+def chimera(stages: int, microbatches: int, mode: str = "direct", split_backward: bool = False) -> Schedule:
     """Chimera bidirectional pipelines (Li & Hoefler, SC'21).
 
     Worker w holds stage w of the down pipe and stage D-1-w of the up pipe; N/2 micro-batches go each way.
@@ -223,6 +224,7 @@ def build_schedule(
     mode: str = "direct",
     data_parallel: int = 1,
     reverse_backward: bool = False,
+    split_backward: bool = False,
 ) -> Schedule:
     """Build a compute-only schedule by name (``gpipe``, ``1f1b``, ``interleaved``, ``chimera``).
 
@@ -243,5 +245,7 @@ def build_schedule(
     elif key == "interleaved":
         s = interleaved_1f1b(stages, microbatches, chunks)
     else:
-        s = chimera(stages, microbatches, mode)
+        s = chimera(stages, microbatches, mode, split_backward)
+    if split_backward and key != "chimera":
+        s = split_in_place(s)
     return s.with_data_parallel(data_parallel)
