@@ -65,6 +65,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="direct", help=f"chimera N>D mode: {', '.join(CHIMERA_MODES)}")
     p.add_argument("--data-parallel", "-W", type=int, default=1, help="data-parallel width W")
     p.add_argument("--reverse-backward", action="store_true", help="GPipe: backward in reverse order")
+    p.add_argument("--split-backward", action="store_true",
+                   help="every backward as input-gradient I + weight-gradient W (Chimera: W fills its bubbles)")
     p.add_argument("--lowered", action="store_true", help="include send/recv, allreduce and optimizer actions")
 
 
@@ -74,15 +76,16 @@ def _schedule(args: argparse.Namespace, check: bool = True) -> Schedule:
     if args.chunks < 1:
         raise ScheduleConfigError(f"--chunks (v) must be >= 1, got {args.chunks}")
     s = build_schedule(args.name, args.stages, args.micro_batches, chunks=args.chunks, mode=args.mode,
-                       data_parallel=args.data_parallel, reverse_backward=args.reverse_backward)
+                       data_parallel=args.data_parallel, reverse_backward=args.reverse_backward,
+                       split_backward=args.split_backward)
     if check:
         validate(s)
     return lower(s) if args.lowered else s
 
 
 def _costs(args: argparse.Namespace) -> Costs:
-    return Costs(fwd=args.fwd, bwd=args.bwd, p2p_latency=args.p2p_latency, allreduce=args.allreduce,
-                 optimizer=args.optimizer)
+    return Costs(fwd=args.fwd, bwd=args.bwd, wgrad=args.wgrad, p2p_latency=args.p2p_latency,
+                 allreduce=args.allreduce, optimizer=args.optimizer)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -117,7 +120,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     s = _schedule(args, check=False)
     r = simulate(s, _costs(args))
-    title = (f"{s.name} D={s.stages} N={s.microbatches} (F={args.fwd}, B={args.bwd}): makespan {float(r.makespan):g}, "
+    title = (f"{s.name} D={s.stages} N={s.microbatches} (F={args.fwd}, B={args.bwd}, W={args.wgrad}): makespan "
+             f"{float(r.makespan):g}, "
              f"bubble {float(r.bubble):.1%}")
     fig = plot_timeline(events_from_simulation(r), s.workers, title=title, time_unit="units")
     for path in save_figure(fig, args.output):
@@ -209,7 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = ssub.add_parser(name, help=helptext)
         _add_schedule_args(p)
         p.add_argument("--fwd", type=_number, default=Fraction(1), help="forward time per micro-batch")
-        p.add_argument("--bwd", type=_number, default=Fraction(2), help="backward time per micro-batch")
+        p.add_argument("--bwd", type=_number, default=Fraction(2),
+                       help="backward time per micro-batch (its input-gradient part when --wgrad is given)")
+        p.add_argument("--wgrad", type=_number, default=Fraction(0),
+                       help="weight-gradient time per micro-batch (a W; a whole backward costs --bwd + --wgrad)")
         p.add_argument("--p2p-latency", type=_number, default=Fraction(0), help="time of one p2p message")
         p.add_argument("--allreduce", type=_number, default=Fraction(0), help="gradient allreduce time per stage")
         p.add_argument("--optimizer", type=_number, default=Fraction(0), help="optimizer step time")

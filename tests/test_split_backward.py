@@ -69,3 +69,36 @@ def test_peak_counts_what_w_keeps():
     s = from_rows(rows, microbatches=2)
     validate(s)
     assert simulate(s).peak_activations == [2]  # micro-batch 0 is still held for its W when micro-batch 1 runs
+
+
+def _sim(name: str, d: int, n: int, **kw):
+    s = build_schedule(name, d, n, **kw)
+    validate(s)
+    return simulate(s, Costs(fwd=1, bwd=1, wgrad=1))
+
+
+@pytest.mark.parametrize("d,k", [(2, 1), (4, 1), (4, 2), (8, 2), (8, 4)])
+def test_zero_bubble_schedules_beat_1f1b_within_their_memory(d, k):
+    n = d * k
+    base, split = _sim("1f1b", d, n), _sim("1f1b", d, n, split_backward=True)
+    h1, h2 = _sim("zb-h1", d, n), _sim("zb-h2", d, n)
+    assert max(h1.peak_activations) == max(base.peak_activations)  # ZB-H1: 1F1B's peak
+    assert max(h2.peak_activations) <= min(n, 2 * d - 1)
+    assert h1.makespan <= split.makespan < base.makespan and h2.makespan <= h1.makespan
+    if d >= 4:
+        assert h1.makespan < split.makespan
+
+
+def test_chimera_split_reaches_its_start_up_bound():
+    """D = 8, N = 16, F = B = W: worker 3 waits 3 forwards, then works 3N units: makespan >= 51 (bubble 0.0588), which
+    the split schedule reaches (the W actions fill every other wait) at Chimera's activation memory; backward halving
+    runs every action on half a micro-batch and halves the wait."""
+    direct, plain = _sim("chimera", 8, 16, split_backward=True), _sim("chimera", 8, 16)
+    assert direct.makespan == 51 and max(direct.peak_activations) == max(plain.peak_activations)
+    halving = _sim("chimera", 8, 16, split_backward=True, mode="halving")
+    assert halving.makespan == 49.5 and halving.bubble <= 0.031 and max(halving.peak_activations) == 4
+    for d, n in [(2, 2), (4, 4), (4, 8), (8, 8)]:
+        split = _sim("chimera", d, n, split_backward=True)
+        assert split.makespan == d // 2 - 1 + 3 * n  # the bound, met
+    assert _sim("chimera", 8, 32, split_backward=True, mode="doubling").makespan < _sim(
+        "chimera", 8, 32, mode="doubling").makespan

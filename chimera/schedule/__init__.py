@@ -9,10 +9,12 @@ from chimera.schedule.generators import (
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    zb_h1,
+    zb_h2,
 )
 from chimera.schedule.io import from_csv, from_json, to_csv, to_json
 from chimera.schedule.ir import DOWN, UP, Action, Kind, Schedule
-from chimera.schedule.lowering import add_grad_sync, add_optimizer_step, add_p2p, lower
+from chimera.schedule.lowering import add_grad_sync, add_optimizer_step, add_p2p, lower, split_backward
 from chimera.schedule.simulate import Costs, SimResult, simulate
 from chimera.schedule.validate import ScheduleError, format_grid, validate
 
@@ -20,5 +22,5 @@ __all__ = [
     "CHIMERA_MODES", "DOWN", "SCHEDULES", "UP", "Action", "Costs", "Kind", "Schedule", "ScheduleConfigError",
     "ScheduleError", "SimResult", "add_grad_sync", "add_optimizer_step", "add_p2p", "build_schedule", "chimera",
     "format_grid", "from_csv", "from_json", "gpipe", "interleaved_1f1b", "lower", "one_f_one_b", "simulate",
-    "to_csv", "to_json", "validate",
+    "split_backward", "to_csv", "to_json", "validate", "zb_h1", "zb_h2",
 ]

@@ -1,6 +1,8 @@
-"""Schedule generators: compute-only action lists for GPipe, 1F1B, interleaved 1F1B and Chimera.
+"""Schedule generators: compute-only action lists for GPipe, 1F1B, interleaved 1F1B, Chimera and the zero-bubble
+schedules ZB-H1 and ZB-H2 (split backward).
 
-Every generator returns a :class:`~chimera.schedule.ir.Schedule` whose lists hold only F and B actions;
+Every generator returns a :class:`~chimera.schedule.ir.Schedule` whose lists hold only compute actions (F and B,
+or I and W);
 :func:`chimera.schedule.lowering.lower` adds communication and gradient synchronisation.
 
 Usage::
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from fractions import Fraction
 
+from chimera.schedule.fill import chimera_split, zero_bubble
 from chimera.schedule.ir import DOWN, UP, Action, B, F, Schedule
 from chimera.schedule.lowering import split_backward as split_in_place
 
@@ -150,6 +153,28 @@ def _chimera_rows(d: int, units: int, group: int) -> list[list[Action]]:
     return rows
 
 
+def zb_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24): 1F1B with split backward, W in its bubbles.
+
+    Stage s starts at most D - s forwards ahead of its input-gradient backwards (1F1B's warm-up), and every worker
+    holds at most D micro-batches (forwarded, not yet through W): 1F1B's peak, which its first stage reaches,
+    so later stages use their spare memory to defer W into the cool-down.
+    """
+    _check_common(stages, microbatches)
+    caps = [min(microbatches, stages - s) for s in range(stages)]
+    defer = [min(microbatches, stages)] * stages
+    return zero_bubble(one_f_one_b(stages, microbatches), caps, defer, 1 << 30, "zb-h1")
+
+
+def zb_h2(stages: int, microbatches: int) -> Schedule:
+    """ZB-H2: stage s starts up to 2(D - s) - 1 forwards ahead, so forwards fill the warm-up as well; every worker
+    holds at most 2D - 1 micro-batches (about twice 1F1B's activation memory)."""
+    _check_common(stages, microbatches)
+    caps = [min(microbatches, 2 * (stages - s) - 1) for s in range(stages)]
+    held = [min(microbatches, 2 * stages - 1)] * stages
+    return zero_bubble(one_f_one_b(stages, microbatches), caps, held, 1 << 30, "zb-h2")
+
+
 CHIMERA_MODES = ("direct", "doubling", "halving")
 
 
@@ -193,18 +218,14 @@ def chimera(stages: int, microbatches: int, mode: str = "direct", split_backward
                 f"chimera forward doubling needs N to be a multiple of 2*D={2 * stages}; got N={microbatches}"
             )
         rows, units_n = _chimera_rows(stages, k // 2, 2), microbatches
-    else:
-        rows, units_n, scale = _chimera_rows(stages, k, 2), 2 * microbatches, Fraction(1, 2)
+    else:  # with split backward every action runs on one half, forwards too (chimera_split)
+        rows, units_n, scale = _chimera_rows(stages, 2 * k if split_backward else k, 1 if split_backward else 2), \
+            2 * microbatches, Fraction(1, 2)
     placement = {(DOWN, s): s for s in range(stages)}
     placement.update({(UP, s): stages - 1 - s for s in range(stages)})
-    return Schedule(
-        stages=stages,
-        microbatches=units_n,
-        placement=placement,
-        actions=rows,
-        microbatch_scale=scale,
-        name="chimera",
-    )
+    s = Schedule(stages=stages, microbatches=units_n, placement=placement, actions=rows, microbatch_scale=scale,
+                 name="chimera")
+    return chimera_split(s) if split_backward else s
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
@@ -212,6 +233,8 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
     "chimera": chimera,
+    "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
 }
 
 
@@ -226,13 +249,15 @@ def build_schedule(
     reverse_backward: bool = False,
     split_backward: bool = False,
 ) -> Schedule:
-    """Build a compute-only schedule by name (``gpipe``, ``1f1b``, ``interleaved``, ``chimera``).
+    """Build a compute-only schedule by name (``gpipe``, ``1f1b``, ``interleaved``, ``chimera``, ``zb-h1``,
+    ``zb-h2``); ``split_backward``: every backward as its parts I and W (Chimera: W filling its bubbles, see
+    :func:`chimera.schedule.fill.chimera_split`; others: W right after I).
 
     Raises :class:`ScheduleConfigError` with a one-line message for unsupported parameters.
     """
     key = name.lower().replace("-", "").replace("_", "")
     aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved1f1b": "interleaved",
-               "chimera": "chimera"}
+               "chimera": "chimera", "zbh1": "zb-h1", "zbh2": "zb-h2"}
     if key not in aliases:
         raise ScheduleConfigError(f"unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
     if data_parallel < 1:
@@ -244,8 +269,10 @@ def build_schedule(
         s = one_f_one_b(stages, microbatches)
     elif key == "interleaved":
         s = interleaved_1f1b(stages, microbatches, chunks)
-    else:
+    elif key == "chimera":
         s = chimera(stages, microbatches, mode, split_backward)
-    if split_backward and key != "chimera":
+    else:
+        s = SCHEDULES[key](stages, microbatches)
+    if split_backward:  # a no-op where the generator split the backward itself
         s = split_in_place(s)
     return s.with_data_parallel(data_parallel)
