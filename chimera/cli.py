@@ -6,6 +6,7 @@ Examples::
     chimera schedule show 1f1b --stages 4 --micro-batches 8 --format json --lowered
     chimera schedule simulate chimera --stages 4 --micro-batches 4 --fwd 1 --bwd 2 --json
     chimera schedule plot chimera --stages 4 --micro-batches 8 -o chimera.png
+    chimera schedule best -D 8 -N 16 --fwd 1 --bwd 1 --wgrad 1 --memory-limit 8
     chimera data prepare enwiki-latest-pages-articles.xml.bz2 -o wikipedia.segmented.txt
     chimera data tokenizer wikipedia.segmented.txt --vocab-size 30522
     chimera train --model bert-base --corpus wikipedia.segmented.txt
@@ -114,6 +115,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_best(args: argparse.Namespace) -> int:
+    from chimera.schedule.best import best, explain
+
+    if args.stages < 1 or args.micro_batches < 1:
+        raise UsageError("need --stages >= 1 and --micro-batches >= 1")
+    choice, ranked = best(args.stages, args.micro_batches, _costs(args), args.memory_limit,
+                          halving=not args.no_halving)
+    if args.json:
+        print(json.dumps({"choice": choice.label, "why": explain(choice, ranked), "candidates": [
+            {"schedule": c.label, "makespan": float(c.makespan), "bubble": float(c.bubble), "peak": float(c.peak),
+             "fits": c.fits} for c in ranked]}))
+        return 0
+    print(f"{'schedule':<42} {'makespan':>9} {'bubble':>7} {'peak':>5}")
+    for c in ranked:
+        print(f"{c.label:<42} {float(c.makespan):>9g} {float(c.bubble):>7.3f} {float(c.peak):>5g}"
+              f"{'' if c.fits else '  over --memory-limit'}")
+    print(explain(choice, ranked))
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from chimera.timeline.events import events_from_simulation
     from chimera.timeline.plot import plot_timeline, save_figure
@@ -209,9 +230,19 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--format", choices=("text", "csv", "json"), default="text")
     show.set_defaults(func=cmd_show)
     for name, func, helptext in (("simulate", cmd_simulate, "simulate one iteration"),
-                                 ("plot", cmd_plot, "draw the simulated worker x time grid")):
+                                 ("plot", cmd_plot, "draw the simulated worker x time grid"),
+                                 ("best", cmd_best, "simulate every schedule for D and N and pick the fastest")):
         p = ssub.add_parser(name, help=helptext)
-        _add_schedule_args(p)
+        if name == "best":
+            p.add_argument("--stages", "-D", type=int, required=True, help="pipeline depth D")
+            p.add_argument("--micro-batches", "-N", type=int, required=True, help="micro-batches per iteration N")
+            p.add_argument("--memory-limit", type=_number, default=None,
+                           help="most micro-batches of activations a worker may hold (peak_activations)")
+            p.add_argument("--no-halving", action="store_true",
+                           help="leave out Chimera's backward halving (odd micro-batch size, or a unit's cost that "
+                                "does not shrink with its size)")
+        else:
+            _add_schedule_args(p)
         p.add_argument("--fwd", type=_number, default=Fraction(1), help="forward time per micro-batch")
         p.add_argument("--bwd", type=_number, default=Fraction(2),
                        help="backward time per micro-batch (its input-gradient part when --wgrad is given)")
@@ -220,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--p2p-latency", type=_number, default=Fraction(0), help="time of one p2p message")
         p.add_argument("--allreduce", type=_number, default=Fraction(0), help="gradient allreduce time per stage")
         p.add_argument("--optimizer", type=_number, default=Fraction(0), help="optimizer step time")
-        if name == "simulate":
+        if name != "plot":
             p.add_argument("--json", action="store_true", help="print one JSON object")
         else:
             p.add_argument("-o", "--output", required=True, help="output file (.png/.pdf; no suffix: both)")

@@ -2,7 +2,6 @@
 N in {D, 2D}, with data parallelism, recomputation, tied weights (GPT-2) and Chimera's two replicas."""
 
 import pytest
-
 from test_runtime_parity import BASE, SGD, assert_parity
 
 CASES = {

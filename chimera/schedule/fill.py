@@ -21,9 +21,11 @@ their memory limits; :func:`chimera_split` is Chimera's bidirectional order with
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
+from typing import Any
 
 from chimera.schedule.ir import Action, Schedule, _replace
 from chimera.schedule.kinds import PARTS, Kind
@@ -33,16 +35,28 @@ _I, _W = PARTS[Kind.B]
 
 @dataclass(frozen=True)
 class UnitCosts:
-    """Per-micro-batch times the list scheduler orders with (integers; F = I = W by default)."""
+    """Per-micro-batch times the list scheduler orders with (F = I = W by default; exact numbers keep it exact)."""
 
-    fwd: int = 1
-    bwd: int = 1
-    wgrad: int = 1
+    fwd: Any = 1
+    bwd: Any = 1
+    wgrad: Any = 1
+
+    @staticmethod
+    def of(costs: Any) -> UnitCosts:
+        """The mean per-stage forward, input-gradient and weight-gradient times of simulator ``costs``."""
+        def mean(v: Any) -> Any:
+            return sum(v) / len(v) if isinstance(v, Sequence) else v
+
+        return UnitCosts(mean(costs.fwd), mean(costs.bwd), mean(costs.wgrad))
+
+
+EQUAL = UnitCosts()  # F = I = W
 
 
 class _Worker:
     def __init__(self, seq: Sequence[Action], cap: int | None, defer: int | None) -> None:
         self.main = list(seq)
+        self.left = Counter((a.kind, a.pipe, a.stage) for a in seq)  # main actions left per kind, pipe and stage
         self.cap = cap
         self.defer = defer
         self.out: list[Action] = []
@@ -54,12 +68,12 @@ class _Worker:
 
 def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: Sequence[Sequence[Action]],
                   caps: Sequence[int | None] | None = None, defer: Sequence[int | None] | None = None,
-                  lookahead: int = 1 << 30, costs: UnitCosts = UnitCosts()) -> list[list[Action]]:
+                  lookahead: int = 1 << 30, costs: UnitCosts = EQUAL) -> list[list[Action]]:
     """Per worker, the order its main actions (F, I) and their W run in (module docstring)."""
-    done: dict[tuple[Kind, str, int, int], int] = {}
+    done: dict[tuple[Kind, str, int, int], Any] = {}
     workers = [_Worker(seq, caps[w] if caps else None, defer[w] if defer else None) for w, seq in enumerate(seqs)]
-    events: list[int] = [0]
-    t = 0
+    events: list[Any] = [0]
+    t: Any = 0
     while events:
         t = heapq.heappop(events)
         while events and events[0] == t:
@@ -82,36 +96,41 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
     return [w.out for w in workers]
 
 
-def _ready(a: Action, t: int, done: Mapping[tuple[Kind, str, int, int], int], stages: int) -> bool:
+def _ready(a: Action, t: Any, done: Mapping[tuple[Kind, str, int, int], Any], stages: int) -> bool:
     if a.kind is Kind.F:
         need = [(Kind.F, a.pipe, a.stage - 1, m) for m in a.microbatches] if a.stage > 0 else []
     else:
         need = [(Kind.F, a.pipe, a.stage, m) for m in a.microbatches]
         if a.stage < stages - 1:
             need += [(_I, a.pipe, a.stage + 1, m) for m in a.microbatches]
-    return all(done.get(k, t + 1) <= t for k in need)
+    return all(k in done and done[k] <= t for k in need)
 
 
-def _pick(w: _Worker, t: int, done: Mapping[tuple[Kind, str, int, int], int], stages: int,
+def _pick(w: _Worker, t: Any, done: Mapping[tuple[Kind, str, int, int], Any], stages: int,
           lookahead: int) -> Action | None:
     """The action ``w`` starts at ``t`` (or None), removed from what it still has to run."""
     seen: set[tuple[Kind, str, int]] = set()
     best = None
-    for i, a in enumerate(w.main[:lookahead]):
+    for i, a in enumerate(islice(w.main, lookahead)):
         group = (a.kind, a.pipe, a.stage)
         if group in seen:
             continue  # one stage's forwards (and backwards) keep micro-batch order
         seen.add(group)
-        if not _ready(a, t, done, stages):
-            continue
-        if a.kind is _I:
-            best = i
-            break
-        if best is None and (w.cap is None or w.live + a.count <= w.cap) and (
-                w.defer is None or w.held + a.count <= w.defer):
-            best = i
+        if _ready(a, t, done, stages):
+            if a.kind is _I:
+                best = i
+                break
+            if best is None and (w.cap is None or w.live + a.count <= w.cap) and (
+                    w.defer is None or w.held + a.count <= w.defer):
+                best = i
+        if len(seen) == len(w.left):
+            break  # every group's next action looked at
     if best is not None:
         a = w.main.pop(best)
+        key = (a.kind, a.pipe, a.stage)
+        w.left[key] -= 1
+        if not w.left[key]:
+            del w.left[key]
         if a.kind is Kind.F:
             w.live += a.count
             w.held += a.count
@@ -134,13 +153,14 @@ def _as_inputs(row: Sequence[Action]) -> list[Action]:
 
 
 def zero_bubble(base: Schedule, caps: Sequence[int | None] | None, defer: Sequence[int | None] | None,
-                lookahead: int, name: str) -> Schedule:
-    """``base``'s order of forwards and backwards, backward split, W filling the bubbles."""
-    rows = list_schedule(base.stages, base.placement, [_as_inputs(r) for r in base.actions], caps, defer, lookahead)
+                lookahead: int, name: str, costs: UnitCosts = EQUAL) -> Schedule:
+    """``base``'s order of forwards and backwards, backward split, W filling the bubbles (ordered with ``costs``)."""
+    rows = list_schedule(base.stages, base.placement, [_as_inputs(r) for r in base.actions], caps, defer, lookahead,
+                         costs)
     return _replace(base, actions=rows, name=name)
 
 
-def chimera_split(base: Schedule) -> Schedule:
+def chimera_split(base: Schedule, costs: UnitCosts = EQUAL) -> Schedule:
     """Chimera with split backward, from the Chimera schedule ``base`` (any mode).
 
     Every worker keeps Chimera's order of forwards and input-gradient backwards (so the two pipes keep meeting
@@ -153,7 +173,7 @@ def chimera_split(base: Schedule) -> Schedule:
     forwards too, and the start-up wait halves (D = 8, N = 16: 0.030).
     """
     peak = max(_held(row) for row in base.actions)
-    return zero_bubble(base, None, [peak] * base.workers, 1, base.name)
+    return zero_bubble(base, None, [peak] * base.workers, 1, base.name, costs)
 
 
 def _held(row: Sequence[Action]) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from fractions import Fraction
 
-from chimera.schedule.fill import chimera_split, zero_bubble
+from chimera.schedule.fill import EQUAL, UnitCosts, chimera_split, zero_bubble
 from chimera.schedule.ir import DOWN, UP, Action, B, F, Schedule
 from chimera.schedule.lowering import split_backward as split_in_place
 
@@ -153,7 +153,7 @@ def _chimera_rows(d: int, units: int, group: int) -> list[list[Action]]:
     return rows
 
 
-def zb_h1(stages: int, microbatches: int) -> Schedule:
+def zb_h1(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Schedule:
     """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24): 1F1B with split backward, W in its bubbles.
 
     Stage s starts at most D - s forwards ahead of its input-gradient backwards (1F1B's warm-up), and every worker
@@ -163,22 +163,23 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
     _check_common(stages, microbatches)
     caps = [min(microbatches, stages - s) for s in range(stages)]
     defer = [min(microbatches, stages)] * stages
-    return zero_bubble(one_f_one_b(stages, microbatches), caps, defer, 1 << 30, "zb-h1")
+    return zero_bubble(one_f_one_b(stages, microbatches), caps, defer, 1 << 30, "zb-h1", order_costs)
 
 
-def zb_h2(stages: int, microbatches: int) -> Schedule:
+def zb_h2(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Schedule:
     """ZB-H2: stage s starts up to 2(D - s) - 1 forwards ahead, so forwards fill the warm-up as well; every worker
     holds at most 2D - 1 micro-batches (about twice 1F1B's activation memory)."""
     _check_common(stages, microbatches)
     caps = [min(microbatches, 2 * (stages - s) - 1) for s in range(stages)]
     held = [min(microbatches, 2 * stages - 1)] * stages
-    return zero_bubble(one_f_one_b(stages, microbatches), caps, held, 1 << 30, "zb-h2")
+    return zero_bubble(one_f_one_b(stages, microbatches), caps, held, 1 << 30, "zb-h2", order_costs)
 
 
 CHIMERA_MODES = ("direct", "doubling", "halving")
 
 
-def chimera(stages: int, microbatches: int, mode: str = "direct", split_backward: bool = False) -> Schedule:
+def chimera(stages: int, microbatches: int, mode: str = "direct", split_backward: bool = False,
+            order_costs: UnitCosts = EQUAL) -> Schedule:
     """Chimera bidirectional pipelines (Li & Hoefler, SC'21).
 
     Worker w holds stage w of the down pipe and stage D-1-w of the up pipe; N/2 micro-batches go each way.
@@ -225,7 +226,7 @@ def chimera(stages: int, microbatches: int, mode: str = "direct", split_backward
     placement.update({(UP, s): stages - 1 - s for s in range(stages)})
     s = Schedule(stages=stages, microbatches=units_n, placement=placement, actions=rows, microbatch_scale=scale,
                  name="chimera")
-    return chimera_split(s) if split_backward else s
+    return chimera_split(s, order_costs) if split_backward else s
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
@@ -248,10 +249,12 @@ def build_schedule(
     data_parallel: int = 1,
     reverse_backward: bool = False,
     split_backward: bool = False,
+    order_costs: UnitCosts | None = None,
 ) -> Schedule:
     """Build a compute-only schedule by name (``gpipe``, ``1f1b``, ``interleaved``, ``chimera``, ``zb-h1``,
     ``zb-h2``); ``split_backward``: every backward as its parts I and W (Chimera: W filling its bubbles, see
-    :func:`chimera.schedule.fill.chimera_split`; others: W right after I).
+    :func:`chimera.schedule.fill.chimera_split`; others: W right after I). ``order_costs``: the F, I and W times
+    the zero-bubble orders are made for (default F = I = W).
 
     Raises :class:`ScheduleConfigError` with a one-line message for unsupported parameters.
     """
@@ -270,9 +273,9 @@ def build_schedule(
     elif key == "interleaved":
         s = interleaved_1f1b(stages, microbatches, chunks)
     elif key == "chimera":
-        s = chimera(stages, microbatches, mode, split_backward)
+        s = chimera(stages, microbatches, mode, split_backward, order_costs or EQUAL)
     else:
-        s = SCHEDULES[key](stages, microbatches)
+        s = SCHEDULES[key](stages, microbatches, order_costs or EQUAL)
     if split_backward:  # a no-op where the generator split the backward itself
         s = split_in_place(s)
     return s.with_data_parallel(data_parallel)
