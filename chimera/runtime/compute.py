@@ -145,6 +145,7 @@ class StageCompute:
         inputs = [t for t in saved.inputs if t.requires_grad]
         if not inputs:
             return Kept(None, outs, out_grads, saved.saved)
+        outs = [t.clone() if t._is_view() else t for t in outs]  # torch detaches the outputs in place: no views
         _, groups = stage_backward_input(outs, out_grads, inputs, mod.parameters())
         return Kept(groups, [], None, saved.saved)
 
