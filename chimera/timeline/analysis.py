@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from chimera.schedule.kinds import Kind
 from chimera.timeline.events import Event
 
-COMPUTE = ("F", "B")
+COMPUTE = tuple(k.value for k in Kind if k.is_compute)  # F, B, I, W: the kinds that count as busy
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from chimera.timeline.analysis import COMPUTE  # noqa: E402
 from chimera.timeline.events import Event  # noqa: E402
 
 # Forward and backward in two colour families; the up pipe in a darker shade of each.
@@ -19,6 +20,10 @@ COLORS = {
     ("F", "up"): "#219ebc",
     ("B", "down"): "#ffb703",
     ("B", "up"): "#fb8500",
+    ("I", "down"): "#ffb703",  # the input-gradient part of a split backward: coloured as a backward
+    ("I", "up"): "#fb8500",
+    ("W", "down"): "#95d5b2",  # the weight-gradient part
+    ("W", "up"): "#2d6a4f",
 }
 SYNC_COLOR = "#bdbdbd"
 COMM_COLOR = "#e5e5e5"
@@ -53,7 +58,7 @@ def plot_timeline(
     span = max((e.end for e in events), default=1.0) - min((e.start for e in events), default=0.0)
     for e in events:
         y = workers - 1 - e.worker
-        if e.kind in ("F", "B"):
+        if e.kind in COMPUTE:
             ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=COLORS[(e.kind, e.pipe)],
                            edgecolors="black", linewidth=0.4)
             if e.duration > span / 60:
@@ -74,6 +79,8 @@ def plot_timeline(
     if bidirectional:
         handles += [Patch(facecolor=COLORS[("F", "up")], edgecolor="black", label="forward (up)"),
                     Patch(facecolor=COLORS[("B", "up")], edgecolor="black", label="backward (up)")]
+    if any(e.kind == "W" for e in events):
+        handles.append(Patch(facecolor=COLORS[("W", "down")], edgecolor="black", label="weight gradient (W)"))
     if any(e.kind.startswith("ALLREDUCE") and e.duration > 0 for e in events):
         handles.append(Patch(facecolor=SYNC_COLOR, edgecolor="black", hatch="///", label="gradient sync"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 if workers < 6 else -0.1),
