@@ -207,8 +207,8 @@ def _schedule(cfg: TrainConfig, chain: LayerChain | None) -> tuple[Schedule, Tra
                                   data_parallel=s.data_parallel, split_backward=s.split_backward), cfg, None
         from chimera.schedule.best import auto_costs, best, explain
 
-        costs, halving = auto_costs(chain, s.micro_batch_size)
-        choice, ranked = best(s.stages, s.micro_batches, costs, halving=halving)
+        costs, halving = auto_costs(chain, s.stages, s.micro_batch_size)
+        choice, ranked = best(s.stages, s.micro_batches, costs, halving=halving, layers=chain.num_layers)
     except ScheduleConfigError as e:
         raise ConfigError(str(e)) from None
     o = choice.options

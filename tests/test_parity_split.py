@@ -17,6 +17,9 @@ CASES = {
                                        mode="halving"),
     "chimera-split-D2N4-doubling-W2": dict(schedule="chimera", split_backward=True, stages=2, micro_batches=4,
                                            mode="doubling", data_parallel=2),
+    "bitpipe-D2N2-gpt2-W2": dict(schedule="bitpipe", stages=2, micro_batches=2, model="gpt2-tiny", data_parallel=2),
+    "bitpipe-D4N8-recompute": dict(schedule="bitpipe", stages=4, micro_batches=8, recompute=True,
+                                   model_overrides={"num_hidden_layers": 6}),
 }
 
 

@@ -29,7 +29,9 @@ def test_auto_is_never_slower_than_1f1b(d):
 def test_memory_limit_and_costs_change_the_choice():
     choice, _ = best(8, 16, EQUAL)
     assert choice.label == "chimera --mode halving --split-backward" and choice.bubble < 0.031
-    assert best(8, 16, EQUAL, halving=False)[0].label == "chimera --mode direct --split-backward"
+    no_halving = best(8, 16, EQUAL, halving=False)[0]  # half-size stages instead of half-size micro-batches
+    assert no_halving.label == "bitpipe" and no_halving.makespan == 49.5 and no_halving.peak == 12
+    assert best(8, 16, EQUAL, halving=False, layers=10)[0].label == "chimera --mode direct --split-backward"
     limited, ranked = best(8, 16, EQUAL, memory_limit=8, halving=False)
     assert limited.peak <= 8 and any(not c.fits for c in ranked)
     plain, _ = best(4, 8, Costs(fwd=1, bwd=2), halving=False)  # W free: splitting gains nothing, the simpler wins

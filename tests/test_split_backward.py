@@ -1,8 +1,20 @@
 """Split backward in the IR: I (input gradient) and W (weight gradient) replace a full B, rows of the kinds table."""
 
+from fractions import Fraction
+
 import pytest
 
-from chimera.schedule import Action, Costs, Kind, ScheduleError, build_schedule, lower, simulate, validate
+from chimera.schedule import (
+    Action,
+    Costs,
+    Kind,
+    ScheduleConfigError,
+    ScheduleError,
+    build_schedule,
+    lower,
+    simulate,
+    validate,
+)
 from chimera.schedule.ir import DOWN, from_rows
 from chimera.schedule.kinds import PARTS
 from chimera.schedule.lowering import split_backward
@@ -102,3 +114,16 @@ def test_chimera_split_reaches_its_start_up_bound():
         assert split.makespan == d // 2 - 1 + 3 * n  # the bound, met
     assert _sim("chimera", 8, 32, split_backward=True, mode="doubling").makespan < _sim(
         "chimera", 8, 32, mode="doubling").makespan
+
+
+def test_bitpipe_two_v_shaped_pipes():
+    s = build_schedule("bitpipe", 4, 8)
+    assert s.stages == 8 and all(len(s.stages_of(w)) == 4 for w in range(4))
+    assert s.placement[("down", 0)] == s.placement[("down", 7)] == 0 and s.placement[("up", 0)] == 3
+    for d, n in [(2, 2), (2, 4), (4, 4), (4, 8), (8, 16)]:
+        validate(build_schedule("bitpipe", d, n))
+    half = Costs(fwd=Fraction(1, 2), bwd=Fraction(1, 2), wgrad=Fraction(1, 2))  # 2D stages, each half a share
+    r = simulate(build_schedule("bitpipe", 8, 16), half)
+    assert r.makespan == Fraction(99, 2) and r.bubble < 0.031 and max(r.peak_activations) <= 3 * 8
+    with pytest.raises(ScheduleConfigError, match="must be even"):
+        build_schedule("bitpipe", 4, 5)

@@ -4,6 +4,7 @@ from chimera.schedule.generators import (
     CHIMERA_MODES,
     SCHEDULES,
     ScheduleConfigError,
+    bitpipe,
     build_schedule,
     chimera,
     gpipe,
@@ -19,7 +20,7 @@ from chimera.schedule.simulate import Costs, SimResult, simulate
 from chimera.schedule.validate import ScheduleError, format_grid, validate
 
 __all__ = [
-    "CHIMERA_MODES", "DOWN", "SCHEDULES", "UP", "Action", "Costs", "Kind", "Schedule", "ScheduleConfigError",
+    "CHIMERA_MODES", "bitpipe", "DOWN", "SCHEDULES", "UP", "Action", "Costs", "Kind", "Schedule", "ScheduleConfigError",
     "ScheduleError", "SimResult", "add_grad_sync", "add_optimizer_step", "add_p2p", "build_schedule", "chimera",
     "format_grid", "from_csv", "from_json", "gpipe", "interleaved_1f1b", "lower", "one_f_one_b", "simulate",
     "split_backward", "to_csv", "to_json", "validate", "zb_h1", "zb_h2",

@@ -41,7 +41,8 @@ class Choice:
 
 
 def candidates(stages: int, microbatches: int, halving: bool = True) -> list[tuple[str, str, dict[str, Any]]]:
-    """(label, schedule name, build options) of every schedule that builds for (D, N); ``halving``: include
+    """(label, schedule name, build options; ``chunks``: stages per worker and pipe, each 1/chunks of a worker's
+    share) of every schedule that builds for (D, N); ``halving``: include
     Chimera's backward halving (it needs an even micro-batch size, and pays off only where a unit's cost shrinks
     with its size, which the simulator assumes)."""
     out: list[tuple[str, str, dict[str, Any]]] = []
@@ -55,7 +56,9 @@ def candidates(stages: int, microbatches: int, halving: bool = True) -> list[tup
                 if (mode == "doubling" and microbatches % (2 * stages)) or (mode == "halving" and not halving):
                     continue
                 out.append((f"chimera --mode {mode}{tail}", "chimera", {"mode": mode, "split_backward": split}))
-    out += [("zb-h1", "zb-h1", {}), ("zb-h2", "zb-h2", {})]
+    out += [("zb-h1", "zb-h1", {"split_backward": True}), ("zb-h2", "zb-h2", {"split_backward": True})]
+    if microbatches % 2 == 0:  # 2D half-size stages
+        out.append(("bitpipe", "bitpipe", {"chunks": 2, "split_backward": True}))
     return out
 
 
@@ -74,11 +77,14 @@ def per_stage(costs: Costs, chunks: int) -> Costs:
 
 
 def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
-         halving: bool = True) -> list[Choice]:
-    """Every candidate simulated with ``costs``; those that fit first, fastest first (then least memory)."""
+         halving: bool = True, layers: int | None = None) -> list[Choice]:
+    """Every candidate simulated with ``costs``; those that fit first, fastest first (then least memory).
+    ``layers``: leave out candidates with more stages than the model has layers."""
     out = []
     order = UnitCosts.of(costs)
     for label, name, options in candidates(stages, microbatches, halving):
+        if layers is not None and stages * options.get("chunks", 1) > layers:
+            continue
         options = {**options, "order_costs": order}
         try:
             s = build_schedule(name, stages, microbatches, **options)
@@ -86,7 +92,7 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
             continue
         chunks = options.get("chunks", 1)
         r = simulate(s, per_stage(costs, chunks))
-        peak = max(r.peak_activations) / chunks  # a stage of an interleaved pipe stashes 1/chunks of a share
+        peak = max(r.peak_activations) / chunks  # a stage of a D*chunks pipe stashes 1/chunks of a share
         peak = int(peak) if peak == int(peak) else peak
         out.append(Choice(label, name, options, r.makespan, r.bubble, peak, memory_limit is None or peak <= memory_limit))
     # ties: the simpler schedule (no split backward), then the least memory
@@ -94,9 +100,9 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
 
 
 def best(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
-         halving: bool = True) -> tuple[Choice, list[Choice]]:
+         halving: bool = True, layers: int | None = None) -> tuple[Choice, list[Choice]]:
     """The fastest candidate that fits, and the whole ranking; ScheduleConfigError when none fits."""
-    ranked = rank(stages, microbatches, costs, memory_limit, halving)
+    ranked = rank(stages, microbatches, costs, memory_limit, halving, layers)
     if not ranked or not ranked[0].fits:
         least = min((c.peak for c in ranked), default=None)
         raise ScheduleConfigError(f"no schedule for D={stages}, N={microbatches} fits --memory-limit {memory_limit} "
@@ -119,15 +125,17 @@ def explain(choice: Choice, ranked: Sequence[Choice]) -> str:
     return why
 
 
-def auto_costs(chain: Any, micro_batch_size: int) -> tuple[Costs, bool]:
-    """The costs ``--schedule auto`` simulates with, and whether backward halving is a candidate.
+def auto_costs(chain: Any, stages: int, micro_batch_size: int) -> tuple[Costs, bool]:
+    """The costs of one worker's share ``--schedule auto`` simulates with, and whether backward halving is a
+    candidate.
 
-    The delay model's per-block sleeps (tf, tb, tw) exactly, without halving (a sleep does not shrink with the
-    micro-batch); any other model F = I = W (a backward twice a forward, half of it weight gradients), with halving
-    where the micro-batch size is even.
+    The delay model's sleeps (tf, tb, tw per block, times the blocks of a share) exactly, without halving (a
+    sleep does not shrink with the micro-batch); any other model F = I = W (a backward twice a forward, half of
+    it weight gradients), with halving where the micro-batch size is even.
     """
     seconds = getattr(chain, "block_seconds", None)
     if seconds is not None:
-        tf, tb, tw = seconds
+        share = Fraction(chain.config.num_blocks, stages)
+        tf, tb, tw = (float(t * share) for t in seconds)
         return Costs(fwd=tf, bwd=tb, wgrad=tw), False
     return Costs(fwd=1, bwd=1, wgrad=1), micro_batch_size % 2 == 0

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from chimera.schedule.ir import Action, Schedule, _replace
+from chimera.schedule.ir import Action, Schedule, ScheduleConfigError, _replace
 from chimera.schedule.kinds import PARTS, Kind
 
 _I, _W = PARTS[Kind.B]
@@ -66,11 +66,60 @@ class _Worker:
         self.free_at = 0
 
 
+class _Run:
+    """What has run: the end time of every compute action, and per channel (sender, receiver, pipe) the messages
+    in the order they were sent (a receiver must take them in that order, as the runtime's channels match
+    messages in posting order)."""
+
+    def __init__(self, stages: int, placement: Mapping[tuple[str, int], int]) -> None:
+        self.stages = stages
+        self.place = placement
+        self.done: dict[tuple[Kind, str, int, int], Any] = {}
+        self.channels: dict[tuple[int, int, str], deque[tuple[Kind, str, int, int]]] = {}
+
+    def _needs(self, a: Action) -> list[tuple[Kind, str, int, int]]:
+        """The actions (kind, pipe, stage, micro-batch) whose results ``a`` consumes."""
+        if a.kind is Kind.F:
+            return [(Kind.F, a.pipe, a.stage - 1, m) for m in a.microbatches] if a.stage > 0 else []
+        need = [(Kind.F, a.pipe, a.stage, m) for m in a.microbatches]
+        if a.stage < self.stages - 1:
+            need += [(_I, a.pipe, a.stage + 1, m) for m in a.microbatches]
+        return need
+
+    def _remote(self, a: Action, w: int) -> tuple[tuple[int, int, str], tuple[Kind, str, int, int]] | None:
+        """The channel and message ``a`` receives from another worker, if any."""
+        src = a.stage - 1 if a.kind is Kind.F else a.stage + 1
+        if not 0 <= src < self.stages or self.place[(a.pipe, src)] == w:
+            return None
+        return (self.place[(a.pipe, src)], w, a.pipe), (Kind.F if a.kind is Kind.F else _I, a.pipe, src, a.microbatch)
+
+    def ready(self, a: Action, w: int, t: Any) -> bool:
+        if a.kind is _W:
+            return True
+        if not all(k in self.done and self.done[k] <= t for k in self._needs(a)):
+            return False
+        remote = self._remote(a, w)
+        return remote is None or self.channels[remote[0]][0] == remote[1]
+
+    def start(self, a: Action, w: int, end: Any) -> None:
+        for m in a.microbatches:
+            self.done[(a.kind, a.pipe, a.stage, m)] = end
+        if a.kind is _W:
+            return
+        remote = self._remote(a, w)
+        if remote is not None:
+            self.channels[remote[0]].popleft()
+        dst = a.stage + 1 if a.kind is Kind.F else a.stage - 1
+        if 0 <= dst < self.stages and self.place[(a.pipe, dst)] != w:
+            self.channels.setdefault((w, self.place[(a.pipe, dst)], a.pipe), deque()).append(
+                (a.kind, a.pipe, a.stage, a.microbatch))
+
+
 def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: Sequence[Sequence[Action]],
                   caps: Sequence[int | None] | None = None, defer: Sequence[int | None] | None = None,
                   lookahead: int = 1 << 30, costs: UnitCosts = EQUAL) -> list[list[Action]]:
     """Per worker, the order its main actions (F, I) and their W run in (module docstring)."""
-    done: dict[tuple[Kind, str, int, int], Any] = {}
+    run = _Run(stages, placement)
     workers = [_Worker(seq, caps[w] if caps else None, defer[w] if defer else None) for w, seq in enumerate(seqs)]
     events: list[Any] = [0]
     t: Any = 0
@@ -78,36 +127,24 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
         t = heapq.heappop(events)
         while events and events[0] == t:
             heapq.heappop(events)
-        for w in workers:
+        for i, w in enumerate(workers):
             if w.free_at > t:
                 continue
-            a = _pick(w, t, done, stages, lookahead)
+            a = _pick(w, i, t, run, lookahead)
             if a is None:
                 continue
-            cost = {Kind.F: costs.fwd, _I: costs.bwd, _W: costs.wgrad}[a.kind] * a.count
-            w.free_at = t + cost
-            for m in a.microbatches:
-                done[(a.kind, a.pipe, a.stage, m)] = w.free_at
+            w.free_at = t + {Kind.F: costs.fwd, _I: costs.bwd, _W: costs.wgrad}[a.kind] * a.count
+            run.start(a, i, w.free_at)
             w.out.append(a)
             heapq.heappush(events, w.free_at)
     stuck = [i for i, w in enumerate(workers) if w.main or w.pending_w]
-    if stuck:  # pragma: no cover - a generator bug: the preferred orders cannot run
-        raise RuntimeError(f"list scheduler stuck on workers {stuck}")
+    if stuck:
+        raise ScheduleConfigError(f"the zero-bubble list scheduler found no order for workers {stuck} within the "
+                                  "memory limits")
     return [w.out for w in workers]
 
 
-def _ready(a: Action, t: Any, done: Mapping[tuple[Kind, str, int, int], Any], stages: int) -> bool:
-    if a.kind is Kind.F:
-        need = [(Kind.F, a.pipe, a.stage - 1, m) for m in a.microbatches] if a.stage > 0 else []
-    else:
-        need = [(Kind.F, a.pipe, a.stage, m) for m in a.microbatches]
-        if a.stage < stages - 1:
-            need += [(_I, a.pipe, a.stage + 1, m) for m in a.microbatches]
-    return all(k in done and done[k] <= t for k in need)
-
-
-def _pick(w: _Worker, t: Any, done: Mapping[tuple[Kind, str, int, int], Any], stages: int,
-          lookahead: int) -> Action | None:
+def _pick(w: _Worker, me: int, t: Any, run: _Run, lookahead: int) -> Action | None:
     """The action ``w`` starts at ``t`` (or None), removed from what it still has to run."""
     seen: set[tuple[Kind, str, int]] = set()
     best = None
@@ -116,7 +153,7 @@ def _pick(w: _Worker, t: Any, done: Mapping[tuple[Kind, str, int, int], Any], st
         if group in seen:
             continue  # one stage's forwards (and backwards) keep micro-batch order
         seen.add(group)
-        if _ready(a, t, done, stages):
+        if run.ready(a, me, t):
             if a.kind is _I:
                 best = i
                 break

@@ -1,5 +1,5 @@
 """Schedule generators: compute-only action lists for GPipe, 1F1B, interleaved 1F1B, Chimera and the zero-bubble
-schedules ZB-H1 and ZB-H2 (split backward).
+schedules ZB-H1 and ZB-H2 and the bidirectional V-shaped BitPipe-style schedule (split backward).
 
 Every generator returns a :class:`~chimera.schedule.ir.Schedule` whose lists hold only compute actions (F and B,
 or I and W);
@@ -18,13 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from fractions import Fraction
 
-from chimera.schedule.fill import EQUAL, UnitCosts, chimera_split, zero_bubble
-from chimera.schedule.ir import DOWN, UP, Action, B, F, Schedule
+from chimera.schedule.fill import EQUAL, UnitCosts, chimera_split, list_schedule, zero_bubble
+from chimera.schedule.ir import DOWN, UP, Action, B, F, Kind, Schedule, ScheduleConfigError
 from chimera.schedule.lowering import split_backward as split_in_place
-
-
-class ScheduleConfigError(ValueError):
-    """A schedule was asked for with parameters it does not support; the message says what is allowed."""
 
 
 def _check_common(stages: int, microbatches: int) -> None:
@@ -175,6 +171,33 @@ def zb_h2(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Sch
     return zero_bubble(one_f_one_b(stages, microbatches), caps, held, 1 << 30, "zb-h2", order_costs)
 
 
+def bitpipe(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Schedule:
+    """Bidirectional V-shaped pipelines with split backward (BitPipe-style, v = 2).
+
+    The model is split into 2D stages. The down pipe runs down the workers and back up (a V: stage s on worker s
+    for s < D, else on worker 2D-1-s), the up pipe the mirror image (stage s on worker D-1-s, else s-D), so
+    every worker holds four half-size stages: two of each pipe, and both replicas of two stages meet on it in
+    neither pipe's order. N/2 micro-batches go each way. The order comes from the zero-bubble list scheduler
+    (:mod:`chimera.schedule.fill`): each worker prefers earlier micro-batches, an I before an F, and fills waits
+    with W, holding at most 3D half-stage micro-batches (1.5 D micro-batches of activations).
+    """
+    _check_common(stages, microbatches)
+    if microbatches % 2:
+        raise ScheduleConfigError(f"bitpipe sends half the micro-batches each way: --micro-batches must be even, got "
+                                  f"{microbatches}")
+    d, parts = stages, 2 * stages
+    placement = {(DOWN, s): s if s < d else parts - 1 - s for s in range(parts)}
+    placement.update({(UP, s): d - 1 - s if s < d else s - d for s in range(parts)})
+    seqs: list[list[Action]] = [[] for _ in range(d)]
+    for (pipe, s), w in placement.items():
+        for m in range(microbatches // 2):
+            seqs[w] += [F(pipe, s, m), Action(Kind.I, pipe, s, m)]
+    for row in seqs:  # earlier micro-batches first; forwards of a micro-batch before its backwards, by depth
+        row.sort(key=lambda a: (a.microbatch, a.kind is Kind.I, a.stage if a.kind is Kind.F else -a.stage, a.pipe))
+    rows = list_schedule(parts, placement, seqs, None, [3 * d] * d, costs=order_costs)
+    return Schedule(stages=parts, microbatches=microbatches, placement=placement, actions=rows, name="bitpipe")
+
+
 CHIMERA_MODES = ("direct", "doubling", "halving")
 
 
@@ -236,6 +259,7 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "chimera": chimera,
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,
+    "bitpipe": bitpipe,
 }
 
 
@@ -252,7 +276,7 @@ def build_schedule(
     order_costs: UnitCosts | None = None,
 ) -> Schedule:
     """Build a compute-only schedule by name (``gpipe``, ``1f1b``, ``interleaved``, ``chimera``, ``zb-h1``,
-    ``zb-h2``); ``split_backward``: every backward as its parts I and W (Chimera: W filling its bubbles, see
+    ``zb-h2``, ``bitpipe``); ``split_backward``: every backward as its parts I and W (Chimera: W filling its bubbles, see
     :func:`chimera.schedule.fill.chimera_split`; others: W right after I). ``order_costs``: the F, I and W times
     the zero-bubble orders are made for (default F = I = W).
 
@@ -260,7 +284,7 @@ def build_schedule(
     """
     key = name.lower().replace("-", "").replace("_", "")
     aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved1f1b": "interleaved",
-               "chimera": "chimera", "zbh1": "zb-h1", "zbh2": "zb-h2"}
+               "chimera": "chimera", "zbh1": "zb-h1", "zbh2": "zb-h2", "bitpipe": "bitpipe"}
     if key not in aliases:
         raise ScheduleConfigError(f"unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
     if data_parallel < 1:
