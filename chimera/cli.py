@@ -116,22 +116,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_best(args: argparse.Namespace) -> int:
-    from chimera.schedule.best import best, explain
+    from chimera.schedule.best import best, ranking, table
 
     if args.stages < 1 or args.micro_batches < 1:
         raise UsageError("need --stages >= 1 and --micro-batches >= 1")
     choice, ranked = best(args.stages, args.micro_batches, _costs(args), args.memory_limit,
                           halving=not args.no_halving)
-    if args.json:
-        print(json.dumps({"choice": choice.label, "why": explain(choice, ranked), "candidates": [
-            {"schedule": c.label, "makespan": float(c.makespan), "bubble": float(c.bubble), "peak": float(c.peak),
-             "fits": c.fits} for c in ranked]}))
-        return 0
-    print(f"{'schedule':<42} {'makespan':>9} {'bubble':>7} {'peak':>5}")
-    for c in ranked:
-        print(f"{c.label:<42} {float(c.makespan):>9g} {float(c.bubble):>7.3f} {float(c.peak):>5g}"
-              f"{'' if c.fits else '  over --memory-limit'}")
-    print(explain(choice, ranked))
+    print(json.dumps(ranking(choice, ranked)) if args.json else table(choice, ranked))
     return 0
 
 

@@ -125,6 +125,21 @@ def explain(choice: Choice, ranked: Sequence[Choice]) -> str:
     return why
 
 
+def ranking(choice: Choice, ranked: Sequence[Choice]) -> dict[str, Any]:
+    """JSON-ready: the choice, why, and every candidate's figures."""
+    return {"choice": choice.label, "why": explain(choice, ranked), "candidates": [
+        {"schedule": c.label, "makespan": float(c.makespan), "bubble": float(c.bubble), "peak": float(c.peak),
+         "fits": c.fits} for c in ranked]}
+
+
+def table(choice: Choice, ranked: Sequence[Choice]) -> str:
+    """One line per candidate, then why the choice."""
+    lines = [f"{'schedule':<42} {'makespan':>9} {'bubble':>7} {'peak':>5}"]
+    lines += [f"{c.label:<42} {float(c.makespan):>9g} {float(c.bubble):>7.3f} {float(c.peak):>5g}"
+              f"{'' if c.fits else '  over --memory-limit'}" for c in ranked]
+    return "\n".join([*lines, explain(choice, ranked)])
+
+
 def auto_costs(chain: Any, stages: int, micro_batch_size: int) -> tuple[Costs, bool]:
     """The costs of one worker's share ``--schedule auto`` simulates with, and whether backward halving is a
     candidate.
