@@ -8,7 +8,8 @@ the paper pairs them: there every backward but the last stage's also sleeps its 
 delay model sleeps per unit whatever its size, so backward halving's half micro-batches cost tf and 2 tf as
 well. Split-backward rows (ZB-H1, ZB-H2, Chimera and 1F1B with --split-backward) predict with I = W = tf, except
 on the first stage, whose inputs need no gradient: there I does nothing and W the whole backward (as in
-torch.distributed.pipelining). Goal: |measured - predicted| <= 0.03.
+torch.distributed.pipelining). BitPipe runs 2D stages of one block each, sleeping tf/2 (the same work per
+worker). Goal: |measured - predicted| <= 0.03.
 
 Usage: python bench/bubbles.py [--tf 0.05] [--steps 4] [--quick] [--rows chimera-halving] [--rows split]
 """
@@ -37,14 +38,17 @@ ROWS = [("chimera", 4, 4, "direct"), ("1f1b", 4, 4, "direct"), ("gpipe", 4, 4, "
         ("1f1b", 4, 16, "direct"),
         # split backward (I + W)
         ("zb-h1", 4, 8, "direct"), ("zb-h2", 4, 8, "direct"), ("1f1b", 4, 8, "split"), ("chimera", 4, 4, "split"),
-        ("chimera", 4, 8, "split"), ("chimera", 8, 16, "split"), ("zb-h1", 8, 16, "direct")]
-SPLIT = ("zb-h1", "zb-h2")  # schedules that always split the backward
+        ("chimera", 4, 8, "split"), ("chimera", 8, 16, "split"), ("zb-h1", 8, 16, "direct"), ("bitpipe", 4, 8, "direct")]
+SPLIT = ("zb-h1", "zb-h2", "bitpipe")  # schedules that always split the backward
+HALF_STAGES = ("bitpipe",)  # 2D stages of half a block's sleep each
 
 
 def measure(schedule: str, d: int, n: int, mode: str, tf: float, steps: int) -> dict[str, float]:
     recompute = mode == "doubling"
     split = mode == "split" or schedule in SPLIT
-    cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": d, "fwd_s": tf}, schedule=schedule,
+    parts = 2 * d if schedule in HALF_STAGES else d
+    tf = tf * d / parts
+    cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": parts, "fwd_s": tf}, schedule=schedule,
                                  stages=d, micro_batches=n, micro_batch_size=2, steps=steps, optimizer="sgd",
                                  profile=True, clip_grad=0.0, timeout_s=60, mode="direct" if split else mode,
                                  recompute=recompute, split_backward=split, partition="uniform")
@@ -55,7 +59,8 @@ def measure(schedule: str, d: int, n: int, mode: str, tf: float, steps: int) -> 
     stats = step_stats(events)
     unit = 1 / sched.microbatch_scale  # costs are per micro-batch; every unit sleeps the same
     if split:  # I = W = tf; the first stage's I has no input gradient to make, its W does both halves
-        costs = Costs(fwd=tf * unit, bwd=[0.0, *[tf * unit] * (d - 1)], wgrad=[2 * tf * unit, *[tf * unit] * (d - 1)])
+        costs = Costs(fwd=tf * unit, bwd=[0.0, *[tf * unit] * (parts - 1)],
+                      wgrad=[2 * tf * unit, *[tf * unit] * (parts - 1)])
     else:
         costs = Costs(fwd=tf * unit, bwd=[(3 if recompute and s < d - 1 else 2) * tf * unit for s in range(d)])
     pred = simulate(sched.compute_only(), costs)
