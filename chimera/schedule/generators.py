@@ -179,7 +179,8 @@ def bitpipe(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> S
     every worker holds four half-size stages: two of each pipe, and both replicas of two stages meet on it in
     neither pipe's order. N/2 micro-batches go each way. The order comes from the zero-bubble list scheduler
     (:mod:`chimera.schedule.fill`): each worker prefers earlier micro-batches, an I before an F, and fills waits
-    with W, holding at most 3D half-stage micro-batches (1.5 D micro-batches of activations).
+    with W, holding at most 3D half-stage micro-batches (1.5 D micro-batches of activations; more where it finds
+    no order within that, as at D = 16, N >= 3D).
     """
     _check_common(stages, microbatches)
     if microbatches % 2:
@@ -194,7 +195,15 @@ def bitpipe(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> S
             seqs[w] += [F(pipe, s, m), Action(Kind.I, pipe, s, m)]
     for row in seqs:  # earlier micro-batches first; forwards of a micro-batch before its backwards, by depth
         row.sort(key=lambda a: (a.microbatch, a.kind is Kind.I, a.stage if a.kind is Kind.F else -a.stage, a.pipe))
-    rows = list_schedule(parts, placement, seqs, None, [3 * d] * d, costs=order_costs)
+    for held in (3 * d, 4 * d, 6 * d, 8 * d, None):  # the least limit the list scheduler finds an order within
+        try:
+            rows = list_schedule(parts, placement, seqs, None, None if held is None else [held] * d,
+                                 costs=order_costs)
+            break
+        except ScheduleConfigError:
+            continue
+    else:  # pragma: no cover - without a memory limit the list scheduler has always found an order
+        raise ScheduleConfigError(f"bitpipe: no order found for D={stages}, N={microbatches}")
     return Schedule(stages=parts, microbatches=microbatches, placement=placement, actions=rows, name="bitpipe")
 
 
