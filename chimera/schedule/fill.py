@@ -4,8 +4,8 @@ Every worker has a preferred order of its forwards and input-gradient backwards 
 list scheduler runs the workers against each other in unit time (a forward costs ``fwd``, an I ``bwd``, a W
 ``wgrad`` per micro-batch; messages are free) and, whenever a worker is free, starts
 
-1. the first main action in its preferred order that can run, looking at most ``lookahead`` main actions ahead
-   (1: strictly in order); an input-gradient backward before a forward when both can run (it is on the
+1. the first main action in its preferred order that can run (``in_order``: only the next one; else the next
+   one of each stage's forwards and backwards); an input-gradient backward before a forward when both can run (it is on the
    critical path), and a forward only while the micro-batches it holds stay within its ``cap``;
 2. else its oldest pending W (what fills the bubble);
 3. else it waits for the next action anywhere to finish.
@@ -21,10 +21,9 @@ their memory limits; :func:`chimera_split` is Chimera's bidirectional order with
 from __future__ import annotations
 
 import heapq
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 from chimera.schedule.ir import Action, Schedule, ScheduleConfigError, _replace
@@ -55,8 +54,10 @@ EQUAL = UnitCosts()  # F = I = W
 
 class _Worker:
     def __init__(self, seq: Sequence[Action], cap: int | None, defer: int | None) -> None:
-        self.main = list(seq)
-        self.left = Counter((a.kind, a.pipe, a.stage) for a in seq)  # main actions left per kind, pipe and stage
+        # main actions left per kind, pipe and stage, in micro-batch order, with their place in the preferred order
+        self.groups: dict[tuple[Kind, str, int], deque[tuple[int, Action]]] = {}
+        for i, a in enumerate(seq):
+            self.groups.setdefault((a.kind, a.pipe, a.stage), deque()).append((i, a))
         self.cap = cap
         self.defer = defer
         self.out: list[Action] = []
@@ -77,14 +78,9 @@ class _Run:
         self.done: dict[tuple[Kind, str, int, int], Any] = {}
         self.channels: dict[tuple[int, int, str], deque[tuple[Kind, str, int, int]]] = {}
 
-    def _needs(self, a: Action) -> list[tuple[Kind, str, int, int]]:
-        """The actions (kind, pipe, stage, micro-batch) whose results ``a`` consumes."""
-        if a.kind is Kind.F:
-            return [(Kind.F, a.pipe, a.stage - 1, m) for m in a.microbatches] if a.stage > 0 else []
-        need = [(Kind.F, a.pipe, a.stage, m) for m in a.microbatches]
-        if a.stage < self.stages - 1:
-            need += [(_I, a.pipe, a.stage + 1, m) for m in a.microbatches]
-        return need
+    def _made(self, key: tuple[Kind, str, int, int], t: Any) -> bool:
+        end = self.done.get(key)
+        return end is not None and end <= t
 
     def _remote(self, a: Action, w: int) -> tuple[tuple[int, int, str], tuple[Kind, str, int, int]] | None:
         """The channel and message ``a`` receives from another worker, if any."""
@@ -96,8 +92,13 @@ class _Run:
     def ready(self, a: Action, w: int, t: Any) -> bool:
         if a.kind is _W:
             return True
-        if not all(k in self.done and self.done[k] <= t for k in self._needs(a)):
-            return False
+        for m in a.microbatches:  # what it consumes: the previous stage's forward, or its own and the next I
+            if a.kind is Kind.F:
+                if a.stage > 0 and not self._made((Kind.F, a.pipe, a.stage - 1, m), t):
+                    return False
+            elif not self._made((Kind.F, a.pipe, a.stage, m), t) or (
+                    a.stage < self.stages - 1 and not self._made((_I, a.pipe, a.stage + 1, m), t)):
+                return False
         remote = self._remote(a, w)
         return remote is None or self.channels[remote[0]][0] == remote[1]
 
@@ -117,7 +118,7 @@ class _Run:
 
 def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: Sequence[Sequence[Action]],
                   caps: Sequence[int | None] | None = None, defer: Sequence[int | None] | None = None,
-                  lookahead: int = 1 << 30, costs: UnitCosts = EQUAL) -> list[list[Action]]:
+                  in_order: bool = False, costs: UnitCosts = EQUAL) -> list[list[Action]]:
     """Per worker, the order its main actions (F, I) and their W run in (module docstring)."""
     run = _Run(stages, placement)
     workers = [_Worker(seq, caps[w] if caps else None, defer[w] if defer else None) for w, seq in enumerate(seqs)]
@@ -130,44 +131,38 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
         for i, w in enumerate(workers):
             if w.free_at > t:
                 continue
-            a = _pick(w, i, t, run, lookahead)
+            a = _pick(w, i, t, run, in_order)
             if a is None:
                 continue
             w.free_at = t + {Kind.F: costs.fwd, _I: costs.bwd, _W: costs.wgrad}[a.kind] * a.count
             run.start(a, i, w.free_at)
             w.out.append(a)
             heapq.heappush(events, w.free_at)
-    stuck = [i for i, w in enumerate(workers) if w.main or w.pending_w]
+    stuck = [i for i, w in enumerate(workers) if w.groups or w.pending_w]
     if stuck:
         raise ScheduleConfigError(f"the zero-bubble list scheduler found no order for workers {stuck} within the "
                                   "memory limits")
     return [w.out for w in workers]
 
 
-def _pick(w: _Worker, me: int, t: Any, run: _Run, lookahead: int) -> Action | None:
+def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool) -> Action | None:
     """The action ``w`` starts at ``t`` (or None), removed from what it still has to run."""
-    seen: set[tuple[Kind, str, int]] = set()
+    heads = sorted((q[0][0], key) for key, q in w.groups.items())  # one stage's actions keep micro-batch order
     best = None
-    for i, a in enumerate(islice(w.main, lookahead)):
-        group = (a.kind, a.pipe, a.stage)
-        if group in seen:
-            continue  # one stage's forwards (and backwards) keep micro-batch order
-        seen.add(group)
-        if run.ready(a, me, t):
-            if a.kind is _I:
-                best = i
-                break
-            if best is None and (w.cap is None or w.live + a.count <= w.cap) and (
-                    w.defer is None or w.held + a.count <= w.defer):
-                best = i
-        if len(seen) == len(w.left):
-            break  # every group's next action looked at
+    for _, key in heads[:1] if in_order else heads:
+        a = w.groups[key][0][1]
+        if not run.ready(a, me, t):
+            continue
+        if a.kind is _I:
+            best = key
+            break
+        if best is None and (w.cap is None or w.live + a.count <= w.cap) and (
+                w.defer is None or w.held + a.count <= w.defer):
+            best = key
     if best is not None:
-        a = w.main.pop(best)
-        key = (a.kind, a.pipe, a.stage)
-        w.left[key] -= 1
-        if not w.left[key]:
-            del w.left[key]
+        _, a = w.groups[best].popleft()
+        if not w.groups[best]:
+            del w.groups[best]
         if a.kind is Kind.F:
             w.live += a.count
             w.held += a.count
@@ -190,9 +185,9 @@ def _as_inputs(row: Sequence[Action]) -> list[Action]:
 
 
 def zero_bubble(base: Schedule, caps: Sequence[int | None] | None, defer: Sequence[int | None] | None,
-                lookahead: int, name: str, costs: UnitCosts = EQUAL) -> Schedule:
+                in_order: bool, name: str, costs: UnitCosts = EQUAL) -> Schedule:
     """``base``'s order of forwards and backwards, backward split, W filling the bubbles (ordered with ``costs``)."""
-    rows = list_schedule(base.stages, base.placement, [_as_inputs(r) for r in base.actions], caps, defer, lookahead,
+    rows = list_schedule(base.stages, base.placement, [_as_inputs(r) for r in base.actions], caps, defer, in_order,
                          costs)
     return _replace(base, actions=rows, name=name)
 
@@ -210,7 +205,7 @@ def chimera_split(base: Schedule, costs: UnitCosts = EQUAL) -> Schedule:
     forwards too, and the start-up wait halves (D = 8, N = 16: 0.030).
     """
     peak = max(_held(row) for row in base.actions)
-    return zero_bubble(base, None, [peak] * base.workers, 1, base.name, costs)
+    return zero_bubble(base, None, [peak] * base.workers, True, base.name, costs)
 
 
 def _held(row: Sequence[Action]) -> int:

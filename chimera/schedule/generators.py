@@ -159,7 +159,7 @@ def zb_h1(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Sch
     _check_common(stages, microbatches)
     caps = [min(microbatches, stages - s) for s in range(stages)]
     defer = [min(microbatches, stages)] * stages
-    return zero_bubble(one_f_one_b(stages, microbatches), caps, defer, 1 << 30, "zb-h1", order_costs)
+    return zero_bubble(one_f_one_b(stages, microbatches), caps, defer, False, "zb-h1", order_costs)
 
 
 def zb_h2(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Schedule:
@@ -168,7 +168,7 @@ def zb_h2(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Sch
     _check_common(stages, microbatches)
     caps = [min(microbatches, 2 * (stages - s) - 1) for s in range(stages)]
     held = [min(microbatches, 2 * stages - 1)] * stages
-    return zero_bubble(one_f_one_b(stages, microbatches), caps, held, 1 << 30, "zb-h2", order_costs)
+    return zero_bubble(one_f_one_b(stages, microbatches), caps, held, False, "zb-h2", order_costs)
 
 
 def bitpipe(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Schedule:
