@@ -1,14 +1,17 @@
 """Measured bubble fraction of the real runtime on Ray against the simulator, on the delay model.
 
-The delay model's forward sleeps tf and its backward 2*tf per stage and per schedule unit, so D workers do
-not fight over the machine's cores. Each row runs the schedule through ray_launch (profiling on), takes the
+The delay model's forward sleeps tf and its backward 2*tf per stage and per schedule unit (tf in its
+input-gradient part, tf in its weight-gradient part), so D workers do not fight over the machine's cores. Each row runs the schedule through ray_launch (profiling on), takes the
 runtime's own action timestamps, and compares the median measured bubble with the simulator's prediction for
 the same lowered schedule with F = tf, B = 2 tf per unit. Chimera's forward doubling runs with --recompute, as
 the paper pairs them: there every backward but the last stage's also sleeps its forward again (B = 3 tf). The
 delay model sleeps per unit whatever its size, so backward halving's half micro-batches cost tf and 2 tf as
-well. Goal: |measured - predicted| <= 0.03.
+well. Split-backward rows (ZB-H1, ZB-H2, Chimera and 1F1B with --split-backward) predict with I = W = tf, except
+on the first stage, whose inputs need no gradient: there I does nothing and W the whole backward (as in
+torch.distributed.pipelining). BitPipe runs 2D stages of one block each, sleeping tf/2 (the same work per
+worker). Goal: |measured - predicted| <= 0.03.
 
-Usage: python bench/bubbles.py [--tf 0.05] [--steps 4] [--quick] [--rows chimera-halving]
+Usage: python bench/bubbles.py [--tf 0.05] [--steps 4] [--quick] [--rows chimera-halving] [--rows split]
 """
 
 from __future__ import annotations
@@ -32,22 +35,35 @@ ROWS = [("chimera", 4, 4, "direct"), ("1f1b", 4, 4, "direct"), ("gpipe", 4, 4, "
         ("chimera", 8, 8, "direct"), ("1f1b", 8, 8, "direct"), ("gpipe", 8, 8, "direct"),
         ("chimera", 4, 8, "doubling"), ("chimera", 4, 8, "halving"),
         ("chimera", 4, 16, "direct"), ("chimera", 4, 16, "doubling"), ("chimera", 4, 16, "halving"),
-        ("1f1b", 4, 16, "direct")]
+        ("1f1b", 4, 16, "direct"),
+        # split backward (I + W)
+        ("zb-h1", 4, 8, "direct"), ("zb-h2", 4, 8, "direct"), ("1f1b", 4, 8, "split"), ("chimera", 4, 4, "split"),
+        ("chimera", 4, 8, "split"), ("chimera", 8, 16, "split"), ("zb-h1", 8, 16, "direct"), ("bitpipe", 4, 8, "direct")]
+SPLIT = ("zb-h1", "zb-h2", "bitpipe")  # schedules that always split the backward
+HALF_STAGES = ("bitpipe",)  # 2D stages of half a block's sleep each
 
 
 def measure(schedule: str, d: int, n: int, mode: str, tf: float, steps: int) -> dict[str, float]:
     recompute = mode == "doubling"
-    cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": d, "fwd_s": tf}, schedule=schedule,
+    split = mode == "split" or schedule in SPLIT
+    parts = 2 * d if schedule in HALF_STAGES else d
+    tf = tf * d / parts
+    cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": parts, "fwd_s": tf}, schedule=schedule,
                                  stages=d, micro_batches=n, micro_batch_size=2, steps=steps, optimizer="sgd",
-                                 profile=True, clip_grad=0.0, timeout_s=60, mode=mode, recompute=recompute)
+                                 profile=True, clip_grad=0.0, timeout_s=60, mode="direct" if split else mode,
+                                 recompute=recompute, split_backward=split, partition="uniform")
     with RayJob(cfg) as ray_job:
         records = [ray_job.step(s) for s in range(steps)]
         sched = ray_job.job.schedule
     events = [e for rec in records[1:] for r in rec["_results"] for e in r.events]  # step 0 is warm-up
     stats = step_stats(events)
     unit = 1 / sched.microbatch_scale  # costs are per micro-batch; every unit sleeps the same
-    bwd = [(3 if recompute and s < d - 1 else 2) * tf * unit for s in range(d)]
-    pred = simulate(sched.compute_only(), Costs(fwd=tf * unit, bwd=bwd))
+    if split:  # I = W = tf; the first stage's I has no input gradient to make, its W does both halves
+        costs = Costs(fwd=tf * unit, bwd=[0.0, *[tf * unit] * (parts - 1)],
+                      wgrad=[2 * tf * unit, *[tf * unit] * (parts - 1)])
+    else:
+        costs = Costs(fwd=tf * unit, bwd=[(3 if recompute and s < d - 1 else 2) * tf * unit for s in range(d)])
+    pred = simulate(sched.compute_only(), costs)
     return {
         "measured_bubble": statistics.median(s.bubble for s in stats),
         "predicted_bubble": float(pred.bubble),
@@ -69,7 +85,7 @@ def main() -> None:
     steps = 2 if args.quick else args.steps
     ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
-        print(f"# bubbles: delay model tf={args.tf}s, bwd=2tf, {steps - 1} measured steps per row")
+        print(f"# bubbles: delay model tf={args.tf}s, bwd=2tf (split: I = W = tf), {steps - 1} measured steps per row")
         print("| schedule | mode | D | N | measured bubble | predicted bubble | diff | measured step s | predicted step s "
               "| goal |")
         print("|---|---|---|---|---|---|---|---|---|---|")

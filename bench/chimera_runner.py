@@ -31,6 +31,8 @@ class ChimeraRow:
     def __init__(self, w: Workload, schedule: str, steps: int) -> None:
         self.job = RayJob(chimera_config(w, schedule, steps), LaunchConfig(connect_timeout_s=300.0), log=lambda msg: None)
         self.worker_times: list[float] = []
+        choice = self.job.job.schedule_choice  # auto: "auto: <flags>: makespan ..."
+        self.label = choice.split(": ")[1] if choice else schedule
 
     def __enter__(self) -> ChimeraRow:
         self.job.__enter__()

@@ -1,10 +1,13 @@
 """Simulator predictions for the rows of ``bench/vs_torch_pipelining.py``.
 
-Delay model: ``simulate(build_schedule(name, D, N), Costs(fwd=tf, bwd=2·tf)).makespan`` (tf/2 and tf per
-stage for torch's Interleaved1F1B over the 2·D-stage split, scheduled by chimera's interleaved generator,
-which follows torch's order). No communication or optimizer cost is modelled.
+Delay model: ``simulate(schedule, delay_costs(tf, D)).makespan``: F = tf, input gradient tf, weight gradient tf
+(a whole backward 2·tf), except that the first stage's input gradient is nothing and its weight gradient both
+(its inputs need no gradient); tf/2 per stage for torch's Interleaved1F1B over the 2·D-stage split, scheduled by
+chimera's interleaved generator, which follows torch's order. Chimera rows simulate the schedule the job runs
+(``auto``: the one it chose). No communication or optimizer cost is modelled.
 
-No prediction (None) for DualPipeV (no chimera generator) and for the real-model rows: one-thread stage
+No prediction (None) for torch's DualPipeV, ZBVZeroBubble, InterleavedZeroBubble and LoopedBFS (no chimera
+generator follows their order) and for the real-model rows: one-thread stage
 profiles taken on the shared 2-core development machine varied by up to 2x between runs, so a prediction
 from them would say more about the machine's load than about the schedule.
 """
@@ -12,15 +15,21 @@ from them would say more about the machine's load than about the schedule.
 from __future__ import annotations
 
 from bench.workloads import Workload
-from chimera.schedule import Costs, build_schedule, simulate
+from chimera.schedule import Costs, Schedule, build_schedule, simulate
 
 
-def predicted_step_s(w: Workload, system: str, schedule: str) -> float | None:
-    """The simulator's makespan for the row, or None (DualPipeV, real models)."""
-    if schedule == "dualpipev" or not w.is_delay:
+def delay_costs(tf: float, stages: int) -> Costs:
+    """The delay model's simulator costs per stage (module docstring)."""
+    return Costs(fwd=tf, bwd=[0.0, *[tf] * (stages - 1)], wgrad=[2 * tf, *[tf] * (stages - 1)])
+
+
+def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | None = None) -> float | None:
+    """The simulator's makespan for the row (``sched``: the schedule a chimera row runs), or None."""
+    if not w.is_delay or (system == "torch.pp" and schedule not in ("gpipe", "1f1b", "interleaved1f1b")):
         return None
     assert w.tf is not None
     interleaved = system == "torch.pp" and schedule == "interleaved1f1b"
     tf = w.tf / 2 if interleaved else w.tf
-    sched = build_schedule("interleaved" if interleaved else schedule, w.stages, w.micro_batches, chunks=2)
-    return float(simulate(sched, Costs(fwd=tf, bwd=2 * tf)).makespan)
+    if sched is None:
+        sched = build_schedule("interleaved" if interleaved else schedule, w.stages, w.micro_batches, chunks=2)
+    return float(simulate(sched.compute_only(), delay_costs(tf, sched.stages)).makespan)

@@ -2,7 +2,8 @@
 
 Launched as its users launch it: one ``torch.multiprocessing`` process per rank (forkserver with torch
 preloaded), ``init_process_group("gloo")``, one ``PipelineStage`` per local stage built from chimera's own
-layered model, and torch's schedule classes. One process group hosts every torch schedule of a workload
+layered model, and torch's schedule classes. Every process applies chimera's CPU allocator setting
+(``chimera.runtime.host_memory.keep_freed_memory``), as chimera's workers do. One process group hosts every torch schedule of a workload
 (each with its own stage modules and optimizer) and runs steps on command, so repetitions alternate
 between systems without restarting processes.
 
@@ -31,6 +32,7 @@ from bench.workloads import Workload, input_keys, unpack_target
 from chimera.models import LayerChain, StageModule, build_stage, partition
 from chimera.models.chain import as_tuple, call
 from chimera.optim import build_optimizer
+from chimera.runtime.host_memory import keep_freed_memory
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ TORCH_SCHEDULES = {
     "1f1b": TorchSchedule("Schedule1F1B", 1),
     "interleaved1f1b": TorchSchedule("ScheduleInterleaved1F1B", 2, "loop"),
     "dualpipev": TorchSchedule("ScheduleDualPipeV", 2, "v"),
+    "zbvzerobubble": TorchSchedule("ScheduleZBVZeroBubble", 2, "v"),
+    "interleavedzerobubble": TorchSchedule("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "loopedbfs": TorchSchedule("ScheduleLoopedBFS", 2, "loop"),
 }
 
 
@@ -144,6 +149,7 @@ class _Runner:
 
 def _worker(w: Workload, names: list[str], rank: int, init: str, cmds: Any, out: Any) -> None:
     try:
+        keep_freed_memory()  # the allocator setting chimera's CPU workers use, so both sides allocate alike
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=w.stages,
                                 timeout=timedelta(seconds=300))

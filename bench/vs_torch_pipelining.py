@@ -1,9 +1,12 @@
 """chimera on Ray vs torch.distributed.pipelining on identical work, alternating A/B in one run.
 
-For every workload (delay model: forward sleeps tf, backward 2·tf per stage; tiny BERT with one thread per
-worker) this starts, once, one torch.pp process group (gloo, torch.multiprocessing forkserver, one process
-per rank hosting GPipe, 1F1B, Interleaved1F1B and DualPipeV) and one chimera RayJob per schedule (Chimera,
-1F1B, GPipe) on one local Ray. Each repetition then runs two steps of every row back to back, rows in an
+For every workload (delay model: forward sleeps tf, input gradient tf, weight gradient tf per stage, so
+zero-bubble schedules on both sides get the W work they move; tiny BERT with one thread per worker) this
+starts, once, one torch.pp process group (gloo, torch.multiprocessing forkserver, one process per rank
+hosting GPipe, 1F1B, Interleaved1F1B, DualPipeV, ZBVZeroBubble, InterleavedZeroBubble and LoopedBFS, the
+last four with two stages per rank) and one chimera RayJob per schedule (Chimera, 1F1B, GPipe, and ``auto``,
+labelled with the schedule it chose) on one local Ray. Both sides use chimera's CPU allocator setting
+(``keep_freed_memory``). Each repetition then runs two steps of every row back to back, rows in an
 order rotated by one per repetition so drift hits all rows alike; the first ``--warmup`` repetitions are
 discarded.
 
@@ -11,8 +14,8 @@ Step time, the same definition for both systems: the second step of the pair in 
 workers done with the first step to all workers done with the second, including the optimizer step
 (torch.pp: rank 0 between the barriers that end the two steps; chimera: the Ray driver between the two
 results, with the second step queued on the actors while the first runs, as ``ray_launch.driver.run``
-trains). Predictions: chimera's simulator on the same
-schedule (delay: F = tf, B = 2·tf; BERT: per-stage F/B profiled here with one thread).
+trains). Predictions: chimera's simulator on the same schedule (``bench/predict.py``). Ratios: to torch.pp's
+1F1B and to the fastest torch.pp row of the workload.
 
 Usage: python bench/vs_torch_pipelining.py [--reps 5] [--quick] [--workloads delay-d4-n4,...] [--json PATH]
 """
@@ -41,7 +44,7 @@ from bench.report import format_table, targets, write_results  # noqa: E402
 from bench.torchpp_runner import TORCH_SCHEDULES, TorchPPGroup  # noqa: E402
 from bench.workloads import WORKLOADS, Workload  # noqa: E402
 
-CHIMERA_SCHEDULES = ["chimera", "1f1b", "gpipe"]
+CHIMERA_SCHEDULES = ["chimera", "1f1b", "gpipe", "auto"]
 PAIR = 2  # steps per row and repetition, back to back; the second one is timed (steady state)
 
 
@@ -92,20 +95,29 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any) -> list[dict[str
             r["peak_rss_mib"] = peak_rss_mib(runner.pids)
             if r["system"] == "chimera":
                 r["worker_step_s"] = statistics.median(runner.worker_times[warmup:])
+                r["predicted_step_s"] = predicted_step_s(w, "chimera", r["schedule"], runner.job.job.schedule)
+                if r["schedule"] == "auto":  # labelled with what it chose
+                    r["schedule"] = f"auto: {runner.label}"
+                    chosen = runner.job.job.schedule
+                    r["split"] = f"{w.stages} ({len(chosen.stages_of(0))}/rank{', replicas' if chosen.bidirectional else ''})"
     log(f"  {w.name}: done in {time.perf_counter() - t_start:.1f} s")
     return rows
 
 
 def finish(rows: list[dict[str, Any]], w: Workload) -> None:
-    """Medians, samples/s, ratio to torch.pp 1F1B and the simulator's prediction, in place."""
+    """Medians, samples/s, ratios to torch.pp 1F1B and to the fastest torch.pp row, predictions, in place."""
     for r in rows:
         r["median_step_s"] = statistics.median(r["times"]) if r["times"] else None
         samples = w.micro_batches * w.micro_batch_size
         r["samples_per_s"] = samples / r["median_step_s"] if r["median_step_s"] else None
-        r["predicted_step_s"] = None if r["note"] else predicted_step_s(w, r["system"], r["schedule"])
+        if r["system"] == "torch.pp":
+            r["predicted_step_s"] = None if r["note"] else predicted_step_s(w, r["system"], r["schedule"])
+        r.setdefault("predicted_step_s", None)
     ref = next(r["median_step_s"] for r in rows if r["system"] == "torch.pp" and r["schedule"] == "1f1b")
+    best = min((r["median_step_s"] for r in rows if r["system"] == "torch.pp" and r["median_step_s"]), default=None)
     for r in rows:
         r["ratio_to_torch_1f1b"] = r["median_step_s"] / ref if r["median_step_s"] and ref else None
+        r["ratio_to_torch_best"] = r["median_step_s"] / best if r["median_step_s"] and best else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    cpus = 3 * max(w.stages for w in workloads) + 2
+    cpus = len(CHIMERA_SCHEDULES) * max(w.stages for w in workloads) + 2  # one CPU slot per chimera worker
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False)
     all_rows: list[dict[str, Any]] = []

@@ -27,7 +27,7 @@ class Workload:
     micro_batches: int
     micro_batch_size: int
     seq_len: int
-    tf: float | None = None  # delay model: forward seconds per stage (backward 2·tf)
+    tf: float | None = None  # delay model: forward seconds per stage (input gradient tf, weight gradient tf)
     seed: int = 1234
 
     @property
@@ -90,7 +90,10 @@ WORKLOADS: dict[str, Workload] = {
     for w in [
         Workload("delay-d4-n4", "delay", 4, 4, 2, 64, tf=0.05),
         Workload("delay-d4-n8", "delay", 4, 8, 2, 64, tf=0.05),
+        Workload("delay-d4-n16", "delay", 4, 16, 2, 64, tf=0.05),
         Workload("delay-d8-n8", "delay", 8, 8, 2, 64, tf=0.05),
+        Workload("delay-d8-n16", "delay", 8, 16, 2, 64, tf=0.05),
+        Workload("delay-d8-n32", "delay", 8, 32, 2, 64, tf=0.05),
         Workload("bert-d2-n4", "bert-tiny", 2, 4, 4, 64),
         Workload("bert-d2-n8", "bert-tiny", 2, 8, 4, 64),
         Workload("bert-d4-n8", "bert-tiny", 4, 8, 4, 64),

@@ -7,6 +7,7 @@ Examples::
     chimera schedule simulate chimera --stages 4 --micro-batches 4 --fwd 1 --bwd 2 --json
     chimera schedule plot chimera --stages 4 --micro-batches 8 -o chimera.png
     chimera schedule simulate chimera -D 2 -N 4 --offload everything --prefetch 1 --swap-in 1 --swap-out 1
+    chimera schedule best -D 8 -N 16 --fwd 1 --bwd 1 --wgrad 1 --memory-limit 8
     chimera data prepare enwiki-latest-pages-articles.xml.bz2 -o wikipedia.segmented.txt
     chimera data tokenizer wikipedia.segmented.txt --vocab-size 30522
     chimera train --model bert-base --corpus wikipedia.segmented.txt
@@ -68,6 +69,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="direct", help=f"chimera N>D mode: {', '.join(CHIMERA_MODES)}")
     p.add_argument("--data-parallel", "-W", type=int, default=1, help="data-parallel width W")
     p.add_argument("--reverse-backward", action="store_true", help="GPipe: backward in reverse order")
+    p.add_argument("--split-backward", action="store_true",
+                   help="every backward as input-gradient I + weight-gradient W (Chimera: W fills its bubbles)")
     p.add_argument("--lowered", action="store_true", help="include send/recv, allreduce and optimizer actions")
     p.add_argument("--offload", choices=OFFLOAD_POLICIES, default="none",
                    help="lowered with the swaps of this offload policy (implies --lowered)")
@@ -80,7 +83,8 @@ def _schedule(args: argparse.Namespace, check: bool = True) -> Schedule:
     if args.chunks < 1:
         raise ScheduleConfigError(f"--chunks (v) must be >= 1, got {args.chunks}")
     s = build_schedule(args.name, args.stages, args.micro_batches, chunks=args.chunks, mode=args.mode,
-                       data_parallel=args.data_parallel, reverse_backward=args.reverse_backward)
+                       data_parallel=args.data_parallel, reverse_backward=args.reverse_backward,
+                       split_backward=args.split_backward)
     if check:
         validate(s)
     if args.offload != "none":
@@ -92,8 +96,8 @@ def _schedule(args: argparse.Namespace, check: bool = True) -> Schedule:
 
 
 def _costs(args: argparse.Namespace) -> Costs:
-    return Costs(fwd=args.fwd, bwd=args.bwd, p2p_latency=args.p2p_latency, allreduce=args.allreduce,
-                 optimizer=args.optimizer, swap_in=args.swap_in, swap_out=args.swap_out)
+    return Costs(fwd=args.fwd, bwd=args.bwd, wgrad=args.wgrad, p2p_latency=args.p2p_latency,
+                 allreduce=args.allreduce, optimizer=args.optimizer, swap_in=args.swap_in, swap_out=args.swap_out)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -122,13 +126,25 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_best(args: argparse.Namespace) -> int:
+    from chimera.schedule.best import best, ranking, table
+
+    if args.stages < 1 or args.micro_batches < 1:
+        raise UsageError("need --stages >= 1 and --micro-batches >= 1")
+    choice, ranked = best(args.stages, args.micro_batches, _costs(args), args.memory_limit,
+                          halving=not args.no_halving)
+    print(json.dumps(ranking(choice, ranked)) if args.json else table(choice, ranked))
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from chimera.timeline.events import events_from_simulation
     from chimera.timeline.plot import plot_timeline, save_figure
 
     s = _schedule(args, check=False)
     r = simulate(s, _costs(args))
-    title = (f"{s.name} D={s.stages} N={s.microbatches} (F={args.fwd}, B={args.bwd}): makespan {float(r.makespan):g}, "
+    title = (f"{s.name} D={s.stages} N={s.microbatches} (F={args.fwd}, B={args.bwd}, W={args.wgrad}): makespan "
+             f"{float(r.makespan):g}, "
              f"bubble {float(r.bubble):.1%}")
     fig = plot_timeline(events_from_simulation(r), s.workers, title=title, time_unit="units")
     for path in save_figure(fig, args.output):
@@ -216,17 +232,30 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--format", choices=("text", "csv", "json"), default="text")
     show.set_defaults(func=cmd_show)
     for name, func, helptext in (("simulate", cmd_simulate, "simulate one iteration"),
-                                 ("plot", cmd_plot, "draw the simulated worker x time grid")):
+                                 ("plot", cmd_plot, "draw the simulated worker x time grid"),
+                                 ("best", cmd_best, "simulate every schedule for D and N and pick the fastest")):
         p = ssub.add_parser(name, help=helptext)
-        _add_schedule_args(p)
+        if name == "best":
+            p.add_argument("--stages", "-D", type=int, required=True, help="pipeline depth D")
+            p.add_argument("--micro-batches", "-N", type=int, required=True, help="micro-batches per iteration N")
+            p.add_argument("--memory-limit", type=_number, default=None,
+                           help="most micro-batches of activations a worker may hold (peak_activations)")
+            p.add_argument("--no-halving", action="store_true",
+                           help="leave out Chimera's backward halving (odd micro-batch size, or a unit's cost that "
+                                "does not shrink with its size)")
+        else:
+            _add_schedule_args(p)
         p.add_argument("--fwd", type=_number, default=Fraction(1), help="forward time per micro-batch")
-        p.add_argument("--bwd", type=_number, default=Fraction(2), help="backward time per micro-batch")
+        p.add_argument("--bwd", type=_number, default=Fraction(2),
+                       help="backward time per micro-batch (its input-gradient part when --wgrad is given)")
+        p.add_argument("--wgrad", type=_number, default=Fraction(0),
+                       help="weight-gradient time per micro-batch (a W; a whole backward costs --bwd + --wgrad)")
         p.add_argument("--p2p-latency", type=_number, default=Fraction(0), help="time of one p2p message")
         p.add_argument("--allreduce", type=_number, default=Fraction(0), help="gradient allreduce time per stage")
         p.add_argument("--optimizer", type=_number, default=Fraction(0), help="optimizer step time")
         p.add_argument("--swap-in", type=_number, default=Fraction(0), help="a stage's weights host -> device")
         p.add_argument("--swap-out", type=_number, default=Fraction(0), help="a stage's gradients device -> host")
-        if name == "simulate":
+        if name != "plot":
             p.add_argument("--json", action="store_true", help="print one JSON object")
         else:
             p.add_argument("-o", "--output", required=True, help="output file (.png/.pdf; no suffix: both)")

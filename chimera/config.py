@@ -39,6 +39,7 @@ from chimera.schedule import (
     lower,
     validate,
 )
+from chimera.schedule.io import load_schedule_file
 from chimera.validation import ConfigError, type_ok, writable_path
 
 PAYLOADS = ("full", "single-byte")
@@ -66,6 +67,8 @@ class ScheduleConfig:
     data_parallel: int = 1
     chunks: int = 2
     mode: str = "direct"
+    split_backward: bool = False
+    schedule_file: str | None = None  # a compute-only schedule (our JSON, or a torch.distributed.pipelining CSV)
 
 
 @dataclass(frozen=True)
@@ -176,40 +179,39 @@ class TrainConfig:
         ``chain``/``data``: a user's model and data instead of the preset named by ``model.name``.
         """
         _check_fields(self)
-        s = self.schedule
-        try:
-            sched = build_schedule(s.name, s.stages, s.micro_batches, chunks=s.chunks, mode=s.mode,
-                                   data_parallel=s.data_parallel)
-        except ScheduleConfigError as e:
-            raise ConfigError(str(e) if "--" in str(e) else f"--schedule {s.name}: {e}") from None
+        if chain is None and self.schedule.name == "auto":
+            chain = self.preset_chain()  # auto simulates with the model's costs
+        sched, cfg, choice = _schedule(self, chain)  # cfg: self, or for auto the config of the chosen schedule
+        s = cfg.schedule
         if chain is None:
             chain = self.preset_chain()
         elif data is None and chain.data is None:
             raise ConfigError(f"{chain.name} has no dataset of its own: pass data (a function (step, micro-batch, "
                               "data-parallel rank) -> (inputs, labels), or a dataset with such a get())")
-        _check_memory(self, chain, sched)
+        _check_memory(cfg, chain, sched)
         prediction = None
-        if self.model.partition == "planned":
+        if cfg.model.partition == "planned":
             from chimera.plan.auto import planned_partition
 
             try:
-                stage_layers, prediction = planned_partition(self, chain, sched)
+                stage_layers, prediction = planned_partition(cfg, chain, sched)
             except ValueError as e:
                 raise ConfigError(f"--partition planned: {e}") from None
         else:
             try:
-                stage_layers = partition(chain, sched.stages, _partition_method(self.model.partition))
+                stage_layers = partition(chain, sched.stages, _partition_method(cfg.model.partition))
             except ConfigError:
                 raise
             except ValueError as e:
-                raise ConfigError(f"--partition {self.model.partition}: {e}") from None
+                raise ConfigError(f"--partition {cfg.model.partition}: {e}") from None
         unit = int(s.micro_batch_size * sched.microbatch_scale)
         try:
             boundaries = chain.boundaries(unit)
         except ChainError as e:
             raise ConfigError(str(e)) from None
-        cfg, lowered = self._fit_memory(chain, sched, stage_layers, unit)
-        return _check_checkpoints(Job(cfg, chain, data, validate(lowered), stage_layers, boundaries, prediction))
+        cfg, lowered = cfg._fit_memory(chain, sched, stage_layers, unit)
+        return _check_checkpoints(Job(cfg, chain, data, validate(lowered), stage_layers, boundaries, prediction,
+                                      choice))
 
     def _fit_memory(self, chain: LayerChain, sched: Schedule, stage_layers: list[list[int]], unit: int
                     ) -> tuple[TrainConfig, Schedule]:
@@ -230,6 +232,30 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(f"--memory-per-worker {t.memory_per_worker}: {e}") from None
         return self.with_flags(offload=off.policy), lowered
+
+
+def _schedule(cfg: TrainConfig, chain: LayerChain | None) -> tuple[Schedule, TrainConfig, str | None]:
+    """The compute-only schedule of ``cfg`` (built, chosen by ``auto``, or read from ``--schedule-file``); for auto,
+    the config of the chosen schedule and why it was chosen."""
+    s = cfg.schedule
+    try:
+        if s.schedule_file is not None:
+            sched = load_schedule_file(s.schedule_file, s.stages, s.micro_batches)
+            return sched.with_data_parallel(s.data_parallel), cfg, f"schedule file {s.schedule_file}"
+        if s.name != "auto":
+            return build_schedule(s.name, s.stages, s.micro_batches, chunks=s.chunks, mode=s.mode,
+                                  data_parallel=s.data_parallel, split_backward=s.split_backward), cfg, None
+        from chimera.schedule.best import auto_costs, best, explain
+
+        costs, halving = auto_costs(chain, s.stages, s.micro_batch_size)
+        choice, ranked = best(s.stages, s.micro_batches, costs, halving=halving, layers=chain.num_layers)
+    except ScheduleConfigError as e:
+        raise ConfigError(str(e) if "--" in str(e) else f"--schedule {s.name}: {e}") from None
+    o = choice.options
+    chosen = cfg.with_flags(schedule=choice.name, mode=o.get("mode", s.mode), chunks=o.get("chunks", s.chunks),
+                            split_backward=o.get("split_backward", False))
+    return build_schedule(choice.name, s.stages, s.micro_batches, data_parallel=s.data_parallel, **o), chosen, \
+        explain(choice, ranked)
 
 
 def _need(ok: bool, message: str) -> None:

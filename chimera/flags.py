@@ -21,7 +21,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     d = TrainConfig.from_flags()
     m, s, t = d.model, d.schedule, d.training
     p.add_argument("--model", default=m.name, help="preset: bert-tiny/mini/base/large/48, gpt2-tiny/small/1.3b")
-    p.add_argument("--schedule", default=s.name, help="chimera, 1f1b, gpipe or interleaved")
+    p.add_argument("--schedule", default=s.name,
+                   help="chimera, 1f1b, gpipe, interleaved, zb-h1, zb-h2, or auto (simulate them all with the model's "
+                        "costs and train the fastest; the choice and why are printed)")
+    p.add_argument("--schedule-file", default=None,
+                   help="train this compute-only schedule: our JSON (chimera schedule show --format json) or a "
+                        "torch.distributed.pipelining CSV; validated first")
     p.add_argument("--stages", "-D", type=int, default=s.stages, help="pipeline depth D")
     p.add_argument("--micro-batches", "-N", type=int, default=s.micro_batches, help="micro-batches per step N")
     p.add_argument("--micro-batch-size", "-B", type=int, default=s.micro_batch_size, help="samples per micro-batch")
@@ -37,6 +42,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default=s.mode, choices=CHIMERA_MODES,
                    help="chimera with N > D: direct concatenation, forward doubling (two micro-batches per forward "
                         "slot; pair with --recompute) or backward halving (backward on half micro-batches)")
+    p.add_argument("--split-backward", action="store_true",
+                   help="run every backward as its input-gradient part I and weight-gradient part W (Chimera: the W "
+                        "fill its bubbles; zb-h1/zb-h2 always split)")
     p.add_argument("--partition", default="planned",
                    help="planned (profile briefly, then the split with the least simulated step time), uniform, "
                         "params, or layers per stage '2,2,1,1'")

@@ -31,6 +31,8 @@ class Job:
             (``unit_size`` samples).
         prediction: the planner's prediction for this job (step seconds, bubble, peak memory) when it planned
             the partition.
+        schedule_choice: where the schedule came from when not named: why ``--schedule auto`` chose it, or the
+            ``--schedule-file``.
     """
 
     cfg: TrainConfig
@@ -40,6 +42,7 @@ class Job:
     stage_layers: list[list[int]]
     boundaries: list[list[TensorSpec]]
     prediction: dict[str, Any] | None = None
+    schedule_choice: str | None = None
     resume: Any = None  # chimera.runtime.checkpoint.ResumePoint: the checkpoint the workers start from
 
     @property

@@ -45,7 +45,10 @@ def _checked(ns: argparse.Namespace) -> tuple[Job, LaunchConfig]:
             raise ConfigError(f"--plan {ns.plan}: {e}") from None
         print(f"plan: {chosen.flags} (predicted {chosen.predicted_step_s:.4g} s/step)", file=sys.stderr)
         return replace(cfg.check(), prediction={"step_s": chosen.predicted_step_s, "profile": ns.plan}), launch
-    return cfg.check(), launch
+    job = cfg.check()
+    if job.schedule_choice:  # --schedule auto: what it chose and why; --schedule-file: which file
+        print(f"schedule: {job.schedule_choice}", file=sys.stderr)
+    return job, launch
 
 
 def run_from_args(ns: argparse.Namespace) -> int:

@@ -13,7 +13,8 @@ import pytest
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"workload", "system", "schedule", "stages", "micro_batches", "median_step_s", "ratio_to_torch_1f1b",
-        "predicted_step_s"}
+        "ratio_to_torch_best", "predicted_step_s"}
+TORCH = ("gpipe", "1f1b", "interleaved1f1b", "dualpipev", "zbvzerobubble", "interleavedzerobubble", "loopedbfs")
 
 
 def test_vs_torch_pipelining_smoke(tmp_path):
@@ -25,8 +26,11 @@ def test_vs_torch_pipelining_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     got = {(r["system"], r["schedule"]) for r in rows}
-    assert got == {("torch.pp", s) for s in ("gpipe", "1f1b", "interleaved1f1b", "dualpipev")} | {
-        ("chimera", s) for s in ("chimera", "1f1b", "gpipe")}
+    auto = [r["schedule"] for r in rows if r["schedule"].startswith("auto: ")]
+    assert auto == ["auto: chimera --mode direct --split-backward"]  # labelled with its choice
+    assert got == {("torch.pp", s) for s in TORCH} | {("chimera", s) for s in ("chimera", "1f1b", "gpipe", *auto)}
+    best = min(r["median_step_s"] for r in rows if r["system"] == "torch.pp" and r["median_step_s"])
+    assert all(r["ratio_to_torch_best"] == r["median_step_s"] / best for r in rows if r["median_step_s"])
     for r in rows:
         assert set(r) >= KEYS
         assert (r["workload"], r["stages"], r["micro_batches"]) == ("delay-d4-n4", 4, 4)

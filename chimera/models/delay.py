@@ -1,4 +1,5 @@
-"""A delay model for measuring schedules: forward sleeps ``fwd_s``, backward ``bwd_factor * fwd_s`` per block.
+"""A delay model for measuring schedules: per block, the forward sleeps ``fwd_s`` (tf), the input-gradient backward
+``bwd_s`` (tb) and the weight-gradient backward ``wgrad_s`` (tw); tb and tw default to tf.
 
 A layer chain ``[embedding, sleeping block x num_blocks, head]`` over ``[B, hidden]`` activations with an MSE
 loss and random regression data.
@@ -6,6 +7,10 @@ loss and random regression data.
 Sleeping instead of computing lets D workers share 2 cores without fighting over them, so measured
 bubbles reflect the schedule and the runtime, not CPU contention. With ``num_blocks = D`` and the uniform
 partition every stage holds exactly one sleeping block (the embedding and head are tiny linear layers).
+
+The weight-gradient sleep sits on the path to the block's weight only, so a full backward (B) sleeps tb + tw, while
+a split backward sleeps tb in its input-gradient part (I) and tw in its weight-gradient part (W): autograd runs the
+weight's branch only when the weight's gradient is asked for.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ class DelayConfig:
     num_blocks: int = 4
     hidden_size: int = 16
     fwd_s: float = 0.05
-    bwd_factor: float = 2.0
+    bwd_s: float | None = None  # input-gradient seconds per block (None: fwd_s)
+    wgrad_s: float | None = None  # weight-gradient seconds per block (None: fwd_s)
 
 
 class _Sleep(torch.autograd.Function):
@@ -46,6 +52,20 @@ class _Sleep(torch.autograd.Function):
         return grad, None, None
 
 
+class _SleepOnGrad(torch.autograd.Function):
+    """Identity on a weight whose backward sleeps: the weight-gradient part of a block's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, wgrad_s: float) -> torch.Tensor:
+        ctx.wgrad_s = wgrad_s
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.wgrad_s)
+        return grad, None
+
+
 class _Embed(nn.Module):
     def __init__(self, h: int) -> None:
         super().__init__()
@@ -56,13 +76,14 @@ class _Embed(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, h: int, fwd_s: float, bwd_s: float) -> None:
+    def __init__(self, h: int, fwd_s: float, bwd_s: float, wgrad_s: float) -> None:
         super().__init__()
         self.proj = nn.Linear(h, h)
-        self.fwd_s, self.bwd_s = fwd_s, bwd_s
+        self.fwd_s, self.bwd_s, self.wgrad_s = fwd_s, bwd_s, wgrad_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(self.proj(x), self.fwd_s, self.bwd_s)
+        weight = _SleepOnGrad.apply(self.proj.weight, self.wgrad_s)
+        return _Sleep.apply(nn.functional.linear(x, weight, self.proj.bias), self.fwd_s, self.bwd_s)
 
 
 def _mse(out: torch.Tensor, labels: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -76,7 +97,9 @@ def _layer(config: DelayConfig, index: int) -> nn.Module:
     elif index == config.num_blocks + 1:
         layer = nn.Linear(h, h)
     else:
-        layer = _Block(h, config.fwd_s, config.fwd_s * config.bwd_factor)
+        tb = config.fwd_s if config.bwd_s is None else config.bwd_s
+        tw = config.fwd_s if config.wgrad_s is None else config.wgrad_s
+        layer = _Block(h, config.fwd_s, tb, tw)  # the same as DelayModel.block_seconds
     gen = own_generator()
     with torch.no_grad():
         for p in layer.parameters():
@@ -101,3 +124,9 @@ class DelayModel(LayerChain):
         layers = [partial(_layer, config, i) for i in range(config.num_blocks + 2)]
         example = SyntheticRegressionDataset(config.hidden_size, 1, 0).get(0, 0, 0)
         super().__init__(layers, _mse, example, name=name, data=partial(_data, config.hidden_size))
+
+    @property
+    def block_seconds(self) -> tuple[float, float, float]:
+        """Forward, input-gradient and weight-gradient seconds of one block (tf, tb, tw)."""
+        c = self.config
+        return c.fwd_s, c.fwd_s if c.bwd_s is None else c.bwd_s, c.fwd_s if c.wgrad_s is None else c.wgrad_s

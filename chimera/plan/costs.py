@@ -5,7 +5,9 @@
 
 A stage's forward is the sum of its layers' forwards at the schedule's unit size (the micro-batch size, or half
 of it under backward halving); its backward the sum of their backwards, plus their forward again where the
-stage recomputes (every stage but the last: the runtime keeps the last stage's graph). A message costs the
+stage recomputes (every stage but the last: the runtime keeps the last stage's graph); of that backward, the
+profiled weight-gradient part is what a split backward's W costs and the rest what its I costs (a whole B
+costs both, as profiled). A message costs the
 profiled p2p link for the bytes the sending stage outputs; a stage's gradient sum the profiled allreduce over
 its group for its parameter bytes, less the parameters tied to another stage: those are summed in the optimizer
 step over every rank holding either end (the runtime's tied-weight sum), which the step's cost includes. A swap
@@ -24,28 +26,31 @@ from chimera.schedule import Costs, Schedule
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Per stage: forward and backward seconds for one unit, output bytes, parameter bytes."""
+    """Per stage: forward, backward and (of that backward) weight-gradient seconds for one unit, output bytes,
+    parameter bytes."""
 
     fwd: list[float]
     bwd: list[float]
     out_bytes: list[int]
     param_bytes: list[int]
     tied_bytes: list[int]  # parameters tied to a layer of another stage (summed apart, in the optimizer step)
+    wgrad: list[float]
 
 
 def stage_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, recompute: bool) -> StageCosts:
     """Costs of every stage of a partition at ``unit`` samples per schedule unit."""
     last = len(stage_layers) - 1
-    fwd, bwd, out, params, tied = [], [], [], [], []
+    fwd, bwd, out, params, tied, wgrad = [], [], [], [], [], []
     stage_of = {i: s for s, layers in enumerate(stage_layers) for i in layers}
     for s, layers in enumerate(stage_layers):
         t = profile.stage_seconds(layers, unit)
         fwd.append(t["forward"])
         bwd.append(t["backward"] + (t["recompute"] if recompute and s < last else 0.0))
+        wgrad.append(min(t["backward_weight"], t["backward"]))
         out.append(profile.cost(layers[-1], unit).output_bytes)
         params.append(sum(profile.layers[i].param_bytes for i in layers))
         tied.append(sum(b for i in layers for j, b in profile.layers[i].tied.items() if stage_of.get(j, s) != s))
-    return StageCosts(fwd, bwd, out, params, tied)
+    return StageCosts(fwd, bwd, out, params, tied, wgrad)
 
 
 def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, recompute: bool,
@@ -62,13 +67,14 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
         stage_opt = [sum(profile.layers[i].optimizer_s.get(optimizer, 0.0) for i in layers) for layers in stage_layers]
         optimizer_s = max(sum(stage_opt[s] for _, s in schedule.stages_of(w)) for w in range(schedule.workers))
     per_mb = float(1 / schedule.microbatch_scale)
-    fwd, bwd = [t * per_mb for t in sc.fwd], [t * per_mb for t in sc.bwd]
+    fwd, wgrad = [t * per_mb for t in sc.fwd], [t * per_mb for t in sc.wgrad]
+    bwd = [t * per_mb - w for t, w in zip(sc.bwd, wgrad)]  # the input-gradient part: B costs bwd + wgrad
     swap_in = [profile.host_in.time(b) for b in sc.param_bytes] if profile.host_in else 0.0
     swap_out = [profile.host_out.time(b) for b in sc.param_bytes] if profile.host_out else 0.0
     overlap = profile.device.startswith("cuda")
     comm = profile.comm
     if comm is None:
-        return Costs(fwd=fwd, bwd=bwd, optimizer=optimizer_s, swap_in=swap_in, swap_out=swap_out,
+        return Costs(fwd=fwd, bwd=bwd, wgrad=wgrad, optimizer=optimizer_s, swap_in=swap_in, swap_out=swap_out,
                      copy_overlap=overlap)
     allreduce = []
     for s in range(len(stage_layers)):
@@ -79,7 +85,7 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     if tied_stages:  # one synchronous sum of the tied parameters, over every rank holding either end
         ranks = {r for s in tied_stages for r in schedule.stage_group(s)}
         optimizer_s += _allreduce_link(profile, len(ranks)).time(max(sc.tied_bytes))
-    return Costs(fwd=fwd, bwd=bwd, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes,
+    return Costs(fwd=fwd, bwd=bwd, wgrad=wgrad, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes,
                  p2p_bandwidth=comm.p2p.bandwidth_Bps, allreduce=allreduce, optimizer=optimizer_s, swap_in=swap_in,
                  swap_out=swap_out, copy_overlap=overlap)
 

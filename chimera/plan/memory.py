@@ -120,12 +120,15 @@ class MemoryWalk:
                 k = slot[(a.pipe, a.stage)]
                 live[k] += a.count
                 states.add((tuple(live), grads, zero, at(k, a.count), zero, flats, resident))
-            elif kind is Kind.B:  # the output gradient in, the input gradient out; recomputing, a transient
+            elif kind in (Kind.B, Kind.I):  # the output gradient in, the input gradient out; recomputing, a transient
                 k = slot[(a.pipe, a.stage)]
                 grads = put(grads, k, 1)
                 c = at(k, a.count)
                 states.add((tuple(live), grads, c, c, c, flats, resident))
-                live[k] -= a.count
+                if kind is Kind.B:
+                    live[k] -= a.count
+            elif kind is Kind.W:  # a split backward's stash lives until its weight gradients are made
+                live[slot[(a.pipe, a.stage)]] -= a.count
             elif kind is Kind.ALLREDUCE_START:
                 k = slot[(a.pipe, a.stage)]
                 flats = put(flats, k, 1)

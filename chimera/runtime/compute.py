@@ -1,10 +1,16 @@
-"""The compute handlers: forward (F) and backward (B) of a stage replica, over one or several micro-batches.
+"""The compute handlers: forward (F) and backward (B, or its parts I and W) of a stage replica, over one or several
+micro-batches.
 
 An F action over ``count`` micro-batches (Chimera's forward doubling, or a whole micro-batch under backward
 halving) receives them as one message, runs the stage on each micro-batch in turn, stashes each for its own
 backward and sends the outputs on as one message. Running the micro-batches one by one keeps every sample's
 arithmetic exactly that of sequential training, whatever the schedule. With ``recompute`` the forward keeps only
 its inputs and RNG state, and the backward runs the forward again under that state before differentiating.
+
+A split backward runs torch.distributed.pipelining's two halves: I differentiates with respect to the stage's
+inputs only (autograd keeps the graph from where the weights' gradients branch off, and the gradients that reached
+those points), W later differentiates from those points with respect to the weights and releases them. The kept
+state is keyed like the stash (:class:`~chimera.runtime.step_state.Kept` in ``wkeep``).
 """
 
 from __future__ import annotations
@@ -14,13 +20,14 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from chimera.data import Units
 from chimera.job import Job
 from chimera.microbatch import cat, map_tensors, split
 from chimera.models import StageModule, TensorSpec
 from chimera.runtime.offload import HostStore
-from chimera.runtime.step_state import Slot, Stashed, StepState
+from chimera.runtime.step_state import Kept, Slot, Stashed, StepState
 from chimera.schedule import Action
 from chimera.schedule.kinds import Msg, Res
 
@@ -92,9 +99,27 @@ class StageCompute:
         move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
         return map_tensors(move, inputs), map_tensors(move, labels)
 
-    # -- B ------------------------------------------------------------------------------------------
+    # -- B, I, W -----------------------------------------------------------------------------------------
     def backward(self, a: Action, st: StepState) -> None:
         """Differentiate ``a``'s micro-batches; hand the input gradients to the previous stage."""
+        self._backward(a, st, split=False)
+
+    def backward_input(self, a: Action, st: StepState) -> None:
+        """The input-gradient part (I) of a split backward: gradients with respect to the stage's inputs only, handed
+        to the previous stage; what the weight gradients need is kept for :meth:`backward_weight`."""
+        self._backward(a, st, split=True)
+
+    def backward_weight(self, a: Action, st: StepState) -> None:
+        """The weight-gradient part (W): accumulate the weights' gradients from what I kept, then release it."""
+        mod = self.modules[(a.pipe, a.stage)]
+        for mb in a.microbatches:
+            kept = st.wkeep.pop(Slot(a.pipe, a.stage, mb))
+            if kept.groups is None:
+                torch.autograd.backward(kept.outputs, kept.grads)
+            else:
+                stage_backward_weight(mod.parameters(), kept.groups)
+
+    def _backward(self, a: Action, st: StepState, split: bool) -> None:
         mod = self.modules[(a.pipe, a.stage)]
         if self.wait:
             self.wait((a.pipe, a.stage))
@@ -103,18 +128,35 @@ class StageCompute:
         out_specs = self.job.stage_inputs(a.stage + 1) if not mod.is_last else []
         sent = []
         for g, mb in zip(grads, a.microbatches):
-            saved = st.stash.pop(Slot(a.pipe, a.stage, mb))
+            slot = Slot(a.pipe, a.stage, mb)
+            saved = st.stash.pop(slot)
             out = saved.output if saved.output is not None else self._recompute(mod, saved)
             if mod.is_last:
-                (out * self.loss_scale).backward()
+                outs, out_grads = [out * self.loss_scale], None
             else:
                 pairs = [(t, gt) for t, gt in zip(out, _fill(g, out_specs)) if gt is not None and t.requires_grad]
-                torch.autograd.backward([t for t, _ in pairs], [gt.to(t.dtype) for t, gt in pairs])
+                outs, out_grads = [t for t, _ in pairs], [gt.to(t.dtype) for t, gt in pairs]
+            if not split:
+                torch.autograd.backward(outs, out_grads)
+            else:
+                st.wkeep[slot] = self._input_gradients(mod, saved, outs, out_grads)
             if not mod.is_first:
                 sent.append(tuple(t.grad if t.grad is not None else torch.zeros_like(t)
                                   for t, s in zip(saved.inputs, in_specs) if s.requires_grad))
         if sent:
             self._hand_over(Msg(Res.GRAD, a.pipe, a.stage, a.microbatch), cat(sent), a.pipe, a.stage - 1, st)
+
+    @staticmethod
+    def _input_gradients(mod: StageModule, saved: Stashed, outs: list[torch.Tensor],
+                         out_grads: list[torch.Tensor] | None) -> Kept:
+        """Gradients into the inputs' ``.grad`` (torch.distributed.pipelining's input-only backward, which keeps
+        the graph from the weights' branch points on); where no input needs one, everything is left to W."""
+        inputs = [t for t in saved.inputs if t.requires_grad]
+        if not inputs:
+            return Kept(None, outs, out_grads, saved.saved)
+        outs = [t.clone() if t._is_view() else t for t in outs]  # torch detaches the outputs in place: no views
+        _, groups = stage_backward_input(outs, out_grads, inputs, mod.parameters())
+        return Kept(groups, [], None, saved.saved)
 
     def _output_grads(self, a: Action, st: StepState, mod: StageModule) -> list[tuple[torch.Tensor, ...]]:
         if mod.is_last:

@@ -76,6 +76,9 @@ def _stash_tensors(st: StepState) -> list[torch.Tensor]:
             out += [t for t in s.output if isinstance(t, torch.Tensor)]
         if s.data is not None:
             out += tensors(s.data)
+    for k in st.wkeep.values():  # what a weight-gradient backward still needs
+        out += k.saved + k.outputs + list(k.grads or [])
+        out += [t for g in k.groups or [] for ts in g.get("grads") or [] for t in ts or () if t is not None]
     return out
 
 

@@ -1,6 +1,7 @@
 """What one worker holds during one step, under typed keys; made fresh every step, so nothing leaks across steps.
 
 * ``stash[Slot(pipe, stage, microbatch)]``: what a backward needs from its forward (:class:`Stashed`).
+* ``wkeep[Slot]``: what a weight-gradient backward (W) needs from its input-gradient backward (I) (:class:`Kept`).
 * ``inbox[Msg]``: tensors that arrived for this worker (received, or handed over by a stage on the same worker).
 * ``outbox[Msg]``: tensors waiting for their send action.
 
@@ -45,12 +46,29 @@ class Stashed:
 
 
 @dataclass
+class Kept:
+    """What the weight-gradient part (W) of a split backward needs from its input-gradient part (I).
+
+    ``groups``: torch's parameter groups (the autograd nodes where the weights' gradients branch off, and the
+    gradients that reached them); None when the stage's inputs need no gradient (the first stage), and W then
+    differentiates ``outputs`` with ``grads`` with respect to the weights. ``saved``: the stash's saved tensors
+    (memory accounting).
+    """
+
+    groups: list[dict[str, Any]] | None
+    outputs: list[torch.Tensor]
+    grads: list[torch.Tensor] | None
+    saved: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
 class StepState:
     """The per-step state of one worker (module docstring)."""
 
     step: int
     device: torch.device
     stash: dict[Slot, Stashed] = field(default_factory=dict)
+    wkeep: dict[Slot, Kept] = field(default_factory=dict)
     inbox: dict[Msg, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     outbox: dict[Msg, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None

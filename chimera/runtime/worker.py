@@ -101,6 +101,8 @@ class PipelineWorker:
         handlers: dict[Kind, Handler] = {
             Kind.F: self.compute.forward,
             Kind.B: self.compute.backward,
+            Kind.I: self.compute.backward_input,
+            Kind.W: self.compute.backward_weight,
             Kind.ALLREDUCE_START: lambda a, st: self.stages.buckets[(a.pipe, a.stage)].start(),
             Kind.ALLREDUCE_WAIT: lambda a, st: self.stages.buckets[(a.pipe, a.stage)].wait(self._what(a, st.step)),
             Kind.OPTIMIZER_STEP: self._optimizer_step,

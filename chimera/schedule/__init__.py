@@ -4,11 +4,14 @@ from chimera.schedule.generators import (
     CHIMERA_MODES,
     SCHEDULES,
     ScheduleConfigError,
+    bitpipe,
     build_schedule,
     chimera,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    zb_h1,
+    zb_h2,
 )
 from chimera.schedule.io import from_csv, from_json, to_csv, to_json
 from chimera.schedule.ir import DOWN, UP, Action, Kind, Schedule
@@ -19,13 +22,15 @@ from chimera.schedule.lowering import (
     add_optimizer_step,
     add_p2p,
     lower,
+    split_backward,
 )
 from chimera.schedule.simulate import Costs, SimResult, simulate
 from chimera.schedule.validate import ScheduleError, format_grid, validate
 
 __all__ = [
-    "CHIMERA_MODES", "DOWN", "OFFLOAD_POLICIES", "Offload", "SCHEDULES", "UP", "Action", "Costs", "Kind", "Schedule", "ScheduleConfigError",
+    "CHIMERA_MODES", "DOWN", "OFFLOAD_POLICIES", "Offload", "SCHEDULES", "UP", "Action", "Costs", "Kind", "Schedule",
+    "ScheduleConfigError", "bitpipe",
     "ScheduleError", "SimResult", "add_grad_sync", "add_optimizer_step", "add_p2p", "build_schedule", "chimera",
     "format_grid", "from_csv", "from_json", "gpipe", "interleaved_1f1b", "lower", "one_f_one_b", "simulate",
-    "to_csv", "to_json", "validate",
+    "split_backward", "to_csv", "to_json", "validate", "zb_h1", "zb_h2",
 ]

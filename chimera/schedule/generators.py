@@ -1,6 +1,8 @@
-"""Schedule generators: compute-only action lists for GPipe, 1F1B, interleaved 1F1B and Chimera.
+"""Schedule generators: compute-only action lists for GPipe, 1F1B, interleaved 1F1B, Chimera and the zero-bubble
+schedules ZB-H1 and ZB-H2 and the bidirectional V-shaped BitPipe-style schedule (split backward).
 
-Every generator returns a :class:`~chimera.schedule.ir.Schedule` whose lists hold only F and B actions;
+Every generator returns a :class:`~chimera.schedule.ir.Schedule` whose lists hold only compute actions (F and B,
+or I and W);
 :func:`chimera.schedule.lowering.lower` adds communication and gradient synchronisation.
 
 Usage::
@@ -16,11 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from fractions import Fraction
 
-from chimera.schedule.ir import DOWN, UP, Action, B, F, Schedule
-
-
-class ScheduleConfigError(ValueError):
-    """A schedule was asked for with parameters it does not support; the message says what is allowed."""
+from chimera.schedule.fill import EQUAL, UnitCosts, chimera_split, list_schedule, zero_bubble
+from chimera.schedule.ir import DOWN, UP, Action, B, F, Kind, Schedule, ScheduleConfigError
+from chimera.schedule.lowering import split_backward as split_in_place
 
 
 def _check_common(stages: int, microbatches: int) -> None:
@@ -149,10 +149,69 @@ def _chimera_rows(d: int, units: int, group: int) -> list[list[Action]]:
     return rows
 
 
+def zb_h1(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24): 1F1B with split backward, W in its bubbles.
+
+    Stage s starts at most D - s forwards ahead of its input-gradient backwards (1F1B's warm-up), and every worker
+    holds at most D micro-batches (forwarded, not yet through W): 1F1B's peak, which its first stage reaches,
+    so later stages use their spare memory to defer W into the cool-down.
+    """
+    _check_common(stages, microbatches)
+    caps = [min(microbatches, stages - s) for s in range(stages)]
+    defer = [min(microbatches, stages)] * stages
+    return zero_bubble(one_f_one_b(stages, microbatches), caps, defer, False, "zb-h1", order_costs)
+
+
+def zb_h2(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Schedule:
+    """ZB-H2: stage s starts up to 2(D - s) - 1 forwards ahead, so forwards fill the warm-up as well; every worker
+    holds at most 2D - 1 micro-batches (about twice 1F1B's activation memory)."""
+    _check_common(stages, microbatches)
+    caps = [min(microbatches, 2 * (stages - s) - 1) for s in range(stages)]
+    held = [min(microbatches, 2 * stages - 1)] * stages
+    return zero_bubble(one_f_one_b(stages, microbatches), caps, held, False, "zb-h2", order_costs)
+
+
+def bitpipe(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Schedule:
+    """Bidirectional V-shaped pipelines with split backward (BitPipe-style, v = 2).
+
+    The model is split into 2D stages. The down pipe runs down the workers and back up (a V: stage s on worker s
+    for s < D, else on worker 2D-1-s), the up pipe the mirror image (stage s on worker D-1-s, else s-D), so
+    every worker holds four half-size stages: two of each pipe, and both replicas of two stages meet on it in
+    neither pipe's order. N/2 micro-batches go each way. The order comes from the zero-bubble list scheduler
+    (:mod:`chimera.schedule.fill`): each worker prefers earlier micro-batches, an I before an F, and fills waits
+    with W, holding at most 3D half-stage micro-batches (1.5 D micro-batches of activations; more where it finds
+    no order within that, as at D = 16, N >= 3D).
+    """
+    _check_common(stages, microbatches)
+    if microbatches % 2:
+        raise ScheduleConfigError(f"bitpipe sends half the micro-batches each way: --micro-batches must be even, got "
+                                  f"{microbatches}")
+    d, parts = stages, 2 * stages
+    placement = {(DOWN, s): s if s < d else parts - 1 - s for s in range(parts)}
+    placement.update({(UP, s): d - 1 - s if s < d else s - d for s in range(parts)})
+    seqs: list[list[Action]] = [[] for _ in range(d)]
+    for (pipe, s), w in placement.items():
+        for m in range(microbatches // 2):
+            seqs[w] += [F(pipe, s, m), Action(Kind.I, pipe, s, m)]
+    for row in seqs:  # earlier micro-batches first; forwards of a micro-batch before its backwards, by depth
+        row.sort(key=lambda a: (a.microbatch, a.kind is Kind.I, a.stage if a.kind is Kind.F else -a.stage, a.pipe))
+    for held in (3 * d, 4 * d, 6 * d, 8 * d, None):  # the least limit the list scheduler finds an order within
+        try:
+            rows = list_schedule(parts, placement, seqs, None, None if held is None else [held] * d,
+                                 costs=order_costs)
+            break
+        except ScheduleConfigError:
+            continue
+    else:  # pragma: no cover - without a memory limit the list scheduler has always found an order
+        raise ScheduleConfigError(f"bitpipe: no order found for D={stages}, N={microbatches}")
+    return Schedule(stages=parts, microbatches=microbatches, placement=placement, actions=rows, name="bitpipe")
+
+
 CHIMERA_MODES = ("direct", "doubling", "halving")
 
 
-def chimera(stages: int, microbatches: int, mode: str = "direct") -> Schedule:
+def chimera(stages: int, microbatches: int, mode: str = "direct", split_backward: bool = False,
+            order_costs: UnitCosts = EQUAL) -> Schedule:
     """Chimera bidirectional pipelines (Li & Hoefler, SC'21).
 
     Worker w holds stage w of the down pipe and stage D-1-w of the up pipe; N/2 micro-batches go each way.
@@ -192,18 +251,14 @@ def chimera(stages: int, microbatches: int, mode: str = "direct") -> Schedule:
                 f"chimera forward doubling needs N to be a multiple of 2*D={2 * stages}; got N={microbatches}"
             )
         rows, units_n = _chimera_rows(stages, k // 2, 2), microbatches
-    else:
-        rows, units_n, scale = _chimera_rows(stages, k, 2), 2 * microbatches, Fraction(1, 2)
+    else:  # with split backward every action runs on one half, forwards too (chimera_split)
+        rows, units_n, scale = _chimera_rows(stages, 2 * k if split_backward else k, 1 if split_backward else 2), \
+            2 * microbatches, Fraction(1, 2)
     placement = {(DOWN, s): s for s in range(stages)}
     placement.update({(UP, s): stages - 1 - s for s in range(stages)})
-    return Schedule(
-        stages=stages,
-        microbatches=units_n,
-        placement=placement,
-        actions=rows,
-        microbatch_scale=scale,
-        name="chimera",
-    )
+    s = Schedule(stages=stages, microbatches=units_n, placement=placement, actions=rows, microbatch_scale=scale,
+                 name="chimera")
+    return chimera_split(s, order_costs) if split_backward else s
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
@@ -211,6 +266,9 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
     "chimera": chimera,
+    "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
+    "bitpipe": bitpipe,
 }
 
 
@@ -223,14 +281,19 @@ def build_schedule(
     mode: str = "direct",
     data_parallel: int = 1,
     reverse_backward: bool = False,
+    split_backward: bool = False,
+    order_costs: UnitCosts | None = None,
 ) -> Schedule:
-    """Build a compute-only schedule by name (``gpipe``, ``1f1b``, ``interleaved``, ``chimera``).
+    """Build a compute-only schedule by name (``gpipe``, ``1f1b``, ``interleaved``, ``chimera``, ``zb-h1``,
+    ``zb-h2``, ``bitpipe``); ``split_backward``: every backward as its parts I and W (Chimera: W filling its bubbles, see
+    :func:`chimera.schedule.fill.chimera_split`; others: W right after I). ``order_costs``: the F, I and W times
+    the zero-bubble orders are made for (default F = I = W).
 
     Raises :class:`ScheduleConfigError` with a one-line message for unsupported parameters.
     """
     key = name.lower().replace("-", "").replace("_", "")
     aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved1f1b": "interleaved",
-               "chimera": "chimera"}
+               "chimera": "chimera", "zbh1": "zb-h1", "zbh2": "zb-h2", "bitpipe": "bitpipe"}
     if key not in aliases:
         raise ScheduleConfigError(f"unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
     if data_parallel < 1:
@@ -242,6 +305,10 @@ def build_schedule(
         s = one_f_one_b(stages, microbatches)
     elif key == "interleaved":
         s = interleaved_1f1b(stages, microbatches, chunks)
+    elif key == "chimera":
+        s = chimera(stages, microbatches, mode, split_backward, order_costs or EQUAL)
     else:
-        s = chimera(stages, microbatches, mode)
+        s = SCHEDULES[key](stages, microbatches, order_costs or EQUAL)
+    if split_backward:  # a no-op where the generator split the backward itself
+        s = split_in_place(s)
     return s.with_data_parallel(data_parallel)

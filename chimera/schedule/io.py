@@ -6,6 +6,7 @@ import csv
 import io
 import json
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 from chimera.schedule.ir import Action, Kind, Schedule, from_rows
@@ -74,3 +75,31 @@ def from_dict(d: dict[str, Any]) -> Schedule:
 
 def from_json(text: str) -> Schedule:
     return from_dict(json.loads(text))
+
+
+def load_schedule_file(path: str, stages: int, microbatches: int) -> Schedule:
+    """A compute-only schedule from ``path`` (our JSON, or CSV as torch.distributed.pipelining writes it), checked
+    against ``stages`` workers and ``microbatches`` micro-batches and validated; :class:`ScheduleConfigError`
+    (with the step x worker grid where the lists are wrong) says what to change."""
+    from chimera.schedule.generators import ScheduleConfigError
+    from chimera.schedule.validate import ScheduleError, validate
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ScheduleConfigError(f"--schedule-file {path}: cannot read it ({e.strerror})") from None
+    try:
+        s = from_json(text) if text.lstrip().startswith("{") else from_csv(text, name=Path(path).stem)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ScheduleConfigError(f"--schedule-file {path}: not a schedule in our JSON or torch's CSV form: {e}"
+                                  ) from None
+    if s.lowered:
+        raise ScheduleConfigError(f"--schedule-file {path}: give compute actions only (F, B, I, W); chimera adds the "
+                                  "sends, receives, gradient sums and the optimizer step itself")
+    if s.workers != stages or s.microbatches != microbatches:
+        raise ScheduleConfigError(f"--schedule-file {path} has {s.workers} workers and {s.microbatches} micro-batches: "
+                                  f"pass --stages {s.workers} --micro-batches {s.microbatches}")
+    try:
+        return validate(s)
+    except ScheduleError as e:
+        raise ScheduleConfigError(f"--schedule-file {path}: {e}") from None

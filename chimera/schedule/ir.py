@@ -47,6 +47,10 @@ _STAGE_RE = re.compile(rf"^([du]?)(\d+)({_codes(Address.STAGE)})$")
 _NONE_CODES = {s.code: k for k, s in SPECS.items() if s.address is Address.NONE}
 
 
+class ScheduleConfigError(ValueError):
+    """A schedule was asked for with parameters it does not support; the message says what is allowed."""
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
     """One step of one worker.

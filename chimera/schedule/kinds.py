@@ -11,7 +11,14 @@ Resources flow between actions of one ``(pipe, microbatch)``, keyed by the stage
 ``grad``  the gradient with respect to a stage's input, the output gradient of the previous stage
 ``stash`` what a stage's backward needs from its forward (autograd graph, or inputs to recompute)
 ``wgrad`` a stage's weight gradients (of one micro-batch)
+``wkeep`` what a split backward's weight-gradient part (W) needs from its input-gradient part (I)
 ========  ====================================================================================
+
+A full backward ``B`` may be split into its input-gradient part ``I`` (on the critical path: it makes the
+gradient the previous stage waits for) and its weight-gradient part ``W`` (movable into bubbles): the rows of
+I and W name B as what they are ``part_of``, so a valid schedule runs, per micro-batch, either one B or one I
+and one W, and W comes after I because it consumes what I produces. :data:`ACTIVATION_MEMORY` lists the
+resources that count as stashed activations (what F keeps for B or I, what I keeps for W).
 
 A :class:`Use` names a resource and the stage that makes it, relative to the action's own stage: the
 forward of stage s consumes ``Use(ACT, -1)``, the activation made by stage s-1. A use whose producer stage
@@ -35,6 +42,8 @@ class Kind(str, Enum):
 
     F = "F"
     B = "B"
+    I = "I"  # noqa: E741 - torch.distributed.pipelining's code for the input-gradient backward
+    W = "W"
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
@@ -83,6 +92,7 @@ class Res(str, Enum):
     GRAD = "grad"
     STASH = "stash"
     WGRAD = "wgrad"
+    WKEEP = "wkeep"
 
 
 class Address(Enum):
@@ -114,7 +124,10 @@ class KindSpec:
         once: appears exactly once per (pipe, stage, micro-batch) of a valid schedule.
         carries / peer: send and receive: the resource that travels and the neighbour stage offset of the
             peer (a send's resource is its own stage's; a receive's is the peer stage's).
-        cost: the :class:`~chimera.schedule.simulate.Costs` field the simulator charges (``None``: free).
+        cost: the :class:`~chimera.schedule.simulate.Costs` field(s) the simulator charges, summed (``None``:
+            free).
+        part_of: a ``once`` kind this kind is one part of: per micro-batch, either that kind runs once or each of
+            its parts runs once.
     """
 
     name: str
@@ -127,14 +140,19 @@ class KindSpec:
     once: bool = False
     carries: Res | None = None
     peer: int = 0
-    cost: str | None = None
+    cost: str | tuple[str, ...] | None = None
+    part_of: Kind | None = None
 
 
 SPECS: dict[Kind, KindSpec] = {
     Kind.F: KindSpec("forward", "F", Role.COMPUTE, consumes=(Use(Res.ACT, -1),), produces=(Res.ACT, Res.STASH), once=True,
                      cost="fwd"),
     Kind.B: KindSpec("backward", "B", Role.COMPUTE, consumes=(Use(Res.STASH), Use(Res.GRAD, +1)), produces=(Res.GRAD, Res.WGRAD),
-                     releases=(Res.STASH,), once=True, cost="bwd"),
+                     releases=(Res.STASH,), once=True, cost=("bwd", "wgrad")),
+    Kind.I: KindSpec("input-gradient backward", "I", Role.COMPUTE, consumes=(Use(Res.STASH), Use(Res.GRAD, +1)),
+                     produces=(Res.GRAD, Res.WKEEP), releases=(Res.STASH,), once=True, cost="bwd", part_of=Kind.B),
+    Kind.W: KindSpec("weight-gradient backward", "W", Role.COMPUTE, consumes=(Use(Res.WKEEP),), produces=(Res.WGRAD,),
+                     releases=(Res.WKEEP,), once=True, cost="wgrad", part_of=Kind.B),
     Kind.SEND_ACT: KindSpec("activation send", "SEND_F", Role.SEND, carries=Res.ACT, peer=+1, cost="message"),
     Kind.RECV_ACT: KindSpec("activation receive", "RECV_F", Role.RECV, carries=Res.ACT, peer=-1, cost="message"),
     Kind.SEND_GRAD: KindSpec("gradient send", "SEND_B", Role.SEND, carries=Res.GRAD, peer=-1, cost="message"),
@@ -153,6 +171,14 @@ SPECS: dict[Kind, KindSpec] = {
 missing = [k for k in Kind if k not in SPECS]
 if missing:  # pragma: no cover - a developer error, caught at import
     raise RuntimeError(f"action kinds without a row in chimera.schedule.kinds.SPECS: {missing}")
+
+#: resources that hold a micro-batch's activations (the simulator's peak activation memory counts them)
+ACTIVATION_MEMORY: tuple[Res, ...] = (Res.STASH, Res.WKEEP)
+#: a once kind -> the kinds that are its parts (B -> I, W)
+PARTS: dict[Kind, tuple[Kind, ...]] = {
+    whole: tuple(k for k, s in SPECS.items() if s.part_of is whole) for whole in {s.part_of for s in SPECS.values()}
+    if whole is not None
+}
 
 KIND_OF_CODE: dict[str, Kind] = {spec.code: kind for kind, spec in SPECS.items()}
 #: resource -> (the kind that sends it, the kind that receives it)

@@ -6,12 +6,15 @@ Each pass takes and returns a :class:`Schedule`; :func:`lower` applies them in o
   after the F or B whose output another worker needs. A run of consecutive send/recv actions is one
   *communication batch*: the runtime posts it at once (``batch_isend_irecv``), waits for its receives
   and keeps the send handles; sends never block (see :mod:`chimera.schedule.replay`).
-* :func:`add_grad_sync`: ALLREDUCE_START(stage) right after the last backward of that stage replica on the
+* :func:`add_grad_sync`: ALLREDUCE_START(stage) right after the last action making weight gradients (B or W) of that stage replica on the
   worker (after the communication batch that follows it, so that a batch is never split), ALLREDUCE_WAIT for every started stage at the end. Only where
   the stage group (all replicas over both pipes and W groups) has more than one member.
 * :func:`add_optimizer_step`: OPTIMIZER_STEP as the last action of every worker.
 * :func:`add_offload`: the swap actions of an :class:`Offload` policy (weights in before they are used,
   ``prefetch`` compute actions ahead, and out after; gradients out after every backward or before the step).
+
+:func:`split_backward` (an option, not part of :func:`lower`) replaces every full backward B by its
+input-gradient part I and its weight-gradient part W; the allreduce of a stage then starts after its last W.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chimera.schedule.ir import Action, Schedule, _replace
-from chimera.schedule.kinds import SPECS, TRANSFER, Kind, Res, Role, neighbour
+from chimera.schedule.kinds import PARTS, SPECS, TRANSFER, Kind, Res, Role, neighbour
 
 
 def add_p2p(schedule: Schedule) -> Schedule:
@@ -178,3 +181,17 @@ def lower(schedule: Schedule, offload: Offload | None = None) -> Schedule:
     """Apply all lowering passes: p2p, gradient sync, optimizer step, and the swaps of ``offload`` if given."""
     lowered = add_optimizer_step(add_grad_sync(add_p2p(schedule)))
     return add_offload(lowered, offload) if offload is not None else lowered
+
+
+def split_backward(schedule: Schedule) -> Schedule:
+    """Every action of a kind that has parts (:data:`chimera.schedule.kinds.PARTS`: B -> I, W) replaced by its parts,
+    in place and in order.
+
+    The result trains exactly like the original; generators that move the W actions into bubbles start from it.
+    Applies to compute-only schedules.
+    """
+    if schedule.lowered:
+        raise ValueError("split_backward works on compute-only schedules; call compute_only() first")
+    rows = [[Action(k, a.pipe, a.stage, a.microbatch, a.count) for a in row for k in PARTS.get(a.kind, (a.kind,))]
+            for row in schedule.actions]
+    return _replace(schedule, actions=rows)

@@ -9,7 +9,7 @@ Usage::
     (16, [3, 4, 4, 3])
 
 Costs are per micro-batch (scaled by the schedule's ``microbatch_scale`` and by an action's ``count``);
-pass ints or :class:`fractions.Fraction` for exact results. Busy time counts F and B only, so
+pass ints or :class:`fractions.Fraction` for exact results. Busy time counts compute actions only, so
 ``bubble = 1 - sum(busy) / (workers * makespan)``.
 
 A schedule is prepared once (:class:`Simulator`; :func:`simulate` keeps the preparation of each
@@ -29,7 +29,7 @@ from math import lcm
 from typing import Any
 
 from chimera.schedule.ir import Action, Schedule
-from chimera.schedule.kinds import SPECS, Address, Msg, Res, Role
+from chimera.schedule.kinds import ACTIVATION_MEMORY, SPECS, Address, Msg, Res, Role
 from chimera.schedule.kinds import message as message_of
 from chimera.schedule.replay import Plan
 from chimera.schedule.validate import ScheduleError, format_grid
@@ -39,7 +39,12 @@ Num = Any  # int, float or Fraction
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-action costs: scalars, or one value per stage for ``fwd``, ``bwd``, ``allreduce`` and ``p2p_bytes``.
+    """Per-action costs: scalars, or one value per stage for ``fwd``, ``bwd``, ``wgrad``, ``allreduce`` and
+    ``p2p_bytes``.
+
+    ``bwd`` is the input-gradient part of a backward (what an ``I`` action costs), ``wgrad`` its weight-gradient
+    part (a ``W`` action); a full backward ``B`` costs ``bwd + wgrad``. With the default ``wgrad = 0``, ``bwd``
+    is the whole backward.
 
     ``p2p_latency + p2p_bytes / p2p_bandwidth`` is the time of one message (0 bandwidth: no byte term); per
     stage, ``p2p_bytes[s]`` is the size of stage s's output activation: an activation message made by stage s
@@ -51,6 +56,7 @@ class Costs:
 
     fwd: Num | Sequence[Num] = 1
     bwd: Num | Sequence[Num] = 2
+    wgrad: Num | Sequence[Num] = 0
     p2p_latency: Num = 0
     p2p_bytes: Num | Sequence[Num] = 0
     p2p_bandwidth: Num = 0
@@ -71,7 +77,8 @@ class Costs:
             return 0
         if spec.cost == "message":
             return self.message(message_of(a.kind, a.pipe, a.stage, a.microbatch)[0])
-        value = self.stage_value(getattr(self, spec.cost), a.stage)
+        fields = (spec.cost,) if isinstance(spec.cost, str) else spec.cost
+        value = sum(self.stage_value(getattr(self, f), a.stage) for f in fields)
         if spec.address is not Address.MICROBATCH:
             return value
         v = value * a.count
@@ -144,8 +151,10 @@ class SimResult:
 
 
 def peak_activations(schedule: Schedule) -> list[Num]:
-    """Per worker, the most micro-batches (times ``microbatch_scale``) stashed for a backward at once."""
-    sign = {k: 1 if Res.STASH in s.produces else -1 if Res.STASH in s.releases else 0 for k, s in SPECS.items()}
+    """Per worker, the most micro-batches (times ``microbatch_scale``) whose activations are held at once: stashed
+    for a backward, or kept by an input-gradient backward for its weight-gradient part."""
+    sign = {k: sum(r in ACTIVATION_MEMORY for r in s.produces) - sum(r in ACTIVATION_MEMORY for r in s.releases)
+            for k, s in SPECS.items()}
     out = []
     for row in schedule.actions:
         live = peak = 0

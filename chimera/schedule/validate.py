@@ -3,7 +3,8 @@
 Checks, in order:
 
 1. every action sits on the worker that holds its (pipe, stage);
-2. every (pipe, stage, micro-batch) has exactly one F and one B, the F first;
+2. every (pipe, stage, micro-batch) has exactly one F and one B (or one I and one W instead of the B), each after
+   what it consumes (B and I after F, W after I);
 3. (lowered) every send has exactly one matching receive on the right peer, and on every channel
    (sender, receiver, pipe) the sends and the receives come in the same order (NCCL matches p2p
    messages in posting order);
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from chimera.schedule.ir import Action, Kind, Schedule
-from chimera.schedule.kinds import SPECS, Address
+from chimera.schedule.kinds import PARTS, SPECS, Address
 from chimera.schedule.replay import Plan, message_key
 
 
@@ -88,12 +89,11 @@ def _check_structure(s: Schedule) -> None:
     for (p, st), w in s.placement.items():
         for m in range(s.pipe_microbatches(p)):
             for kind in once:
-                key = (kind, p, st, m)
-                if counts[key] != 1:
-                    marks = {first[key][0]: first[key][1]} if key in first else {}
-                    _fail(s, f"{Action(kind, p, st, m)} ({kind.value} of micro-batch {m}) appears {counts[key]} times, "
-                          f"expected once on worker {w}", marks)
+                if SPECS[kind].part_of is None:
+                    _check_once(s, kind, (p, st, m), w, counts, first)
             for kind, maker in ordered:
+                if (kind, p, st, m) not in first:
+                    continue  # the other alternative (a whole B, or its parts I and W) ran
                 at = first[(kind, p, st, m)][1]
                 if first[(maker, p, st, m)][1] > at:
                     _fail(s, f"{Action(kind, p, st, m)} comes before its {SPECS[maker].name} on worker {w}", {w: at})
@@ -102,6 +102,26 @@ def _check_structure(s: Schedule) -> None:
         k = extra[0]
         _fail(s, f"{Action(k[0], k[1], k[2], k[3])}: micro-batch {k[3]} is out of range for "
               f"{s.pipe_microbatches(k[1])} micro-batches in the {k[1]} pipe", {first[k][0]: first[k][1]})
+
+
+def _check_once(s: Schedule, kind: Kind, where: tuple[str, int, int], w: int,
+                counts: Counter[tuple[Kind, str, int, int]], first: dict[tuple[Kind, str, int, int], tuple[int, int]]
+                ) -> None:
+    """``kind`` runs once for the micro-batch, or (where it has parts) each of its parts does instead."""
+    p, st, m = where
+    n = counts[(kind, *where)]
+    parts = PARTS.get(kind, ())
+    got = [counts[(part, *where)] for part in parts]
+    if (n == 1 and not any(got)) or (parts and n == 0 and all(g == 1 for g in got)):
+        return
+    keys = [k for k in ((kind, *where), *((part, *where) for part in parts)) if k in first]
+    marks = {first[keys[0]][0]: first[keys[0]][1]} if keys else {}
+    what = f"{Action(kind, p, st, m)} ({kind.value} of micro-batch {m}) appears {n} times"
+    if not parts:
+        _fail(s, f"{what}, expected once on worker {w}", marks)
+    names = " and ".join(f"one {part.value}" for part in parts)
+    found = ", ".join(f"{part.value} {g} times" for part, g in zip(parts, got))
+    _fail(s, f"{what} and its parts {found}: expected on worker {w} either one {kind.value} or {names}", marks)
 
 
 def _check_channels(s: Schedule) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from chimera.schedule.kinds import Kind
 from chimera.timeline.events import Event
 
-COMPUTE = ("F", "B")
+COMPUTE = tuple(k.value for k in Kind if k.is_compute)  # F, B, I, W: the kinds that count as busy
 SWAPS = ("SWAP_IN", "SWAP_OUT", "GRAD_OUT")  # offload's copies between host and device memory
 
 

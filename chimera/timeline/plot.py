@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from chimera.timeline.analysis import COMPUTE  # noqa: E402
 from chimera.timeline.events import Event  # noqa: E402
 
 # Forward and backward in two colour families; the up pipe in a darker shade of each.
@@ -19,6 +20,10 @@ COLORS = {
     ("F", "up"): "#219ebc",
     ("B", "down"): "#ffb703",
     ("B", "up"): "#fb8500",
+    ("I", "down"): "#ffb703",  # the input-gradient part of a split backward: coloured as a backward
+    ("I", "up"): "#fb8500",
+    ("W", "down"): "#95d5b2",  # the weight-gradient part
+    ("W", "up"): "#2d6a4f",
 }
 SYNC_COLOR = "#bdbdbd"
 COMM_COLOR = "#e5e5e5"
@@ -60,7 +65,7 @@ def plot_timeline(
             if e.duration > 0:
                 ax.broken_barh([(e.start, e.duration)], (y - 1 - 0.3, 0.6), facecolors=SWAP_COLORS[e.kind],
                                edgecolors="black", linewidth=0.3)
-        elif e.kind in ("F", "B"):
+        elif e.kind in COMPUTE:
             ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=COLORS[(e.kind, e.pipe)],
                            edgecolors="black", linewidth=0.4)
             if e.duration > span / 60:
@@ -91,6 +96,8 @@ def _legend(ax: plt.Axes, events: Sequence[Event], bidirectional: bool, rows: in
     if bidirectional:
         handles += [Patch(facecolor=COLORS[("F", "up")], edgecolor="black", label="forward (up)"),
                     Patch(facecolor=COLORS[("B", "up")], edgecolor="black", label="backward (up)")]
+    if any(e.kind == "W" for e in events):
+        handles.append(Patch(facecolor=COLORS[("W", "down")], edgecolor="black", label="weight gradient (W)"))
     if rows == 2:
         handles += [Patch(facecolor=SWAP_COLORS[k], edgecolor="black", label=label)
                     for k, label in (("SWAP_IN", "weights in"), ("GRAD_OUT", "gradients out"))]

@@ -51,14 +51,19 @@ def chrome_trace(events: Sequence[Event], meta: dict[str, Any] | None = None) ->
 
 
 def measured_costs(events: Sequence[Event], stages: int) -> Costs:
-    """Mean F and B duration per stage from measured events (as simulator costs, seconds)."""
-    fwd, bwd = [], []
+    """Mean duration per stage of F, of B (or of I, where the backward is split) and of W, from measured events (as
+    simulator costs, seconds)."""
+    def mean(kind: str, s: int) -> float | None:
+        d = [e.duration / e.count for e in events if e.kind == kind and e.stage == s]
+        return statistics.fmean(d) if d else None
+
+    fwd, bwd, wgrad = [], [], []
     for s in range(stages):
-        f = [e.duration / e.count for e in events if e.kind == "F" and e.stage == s]
-        b = [e.duration / e.count for e in events if e.kind == "B" and e.stage == s]
-        fwd.append(statistics.fmean(f) if f else 0.0)
-        bwd.append(statistics.fmean(b) if b else 0.0)
-    return Costs(fwd=fwd, bwd=bwd, p2p_latency=0.0, optimizer=0.0)
+        fwd.append(mean("F", s) or 0.0)
+        b = mean("B", s)
+        bwd.append(b if b is not None else mean("I", s) or 0.0)
+        wgrad.append(mean("W", s) or 0.0)
+    return Costs(fwd=fwd, bwd=bwd, wgrad=wgrad, p2p_latency=0.0, optimizer=0.0)
 
 
 def summarize(events: Sequence[Event], schedule: Schedule, workers: int, meta: dict[str, Any]) -> dict[str, Any]:

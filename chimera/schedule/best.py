@@ -1,0 +1,156 @@
+"""The fastest schedule for (D, N): simulate every schedule the runtime can run there, keep the fastest that fits.
+
+Usage::
+
+    >>> from chimera.schedule import Costs
+    >>> from chimera.schedule.best import best
+    >>> choice, ranked = best(8, 16, Costs(fwd=1, bwd=1, wgrad=1))
+    >>> choice.label, float(choice.bubble) < 0.06
+    ('chimera --mode halving --split-backward', True)
+
+Costs are those of one worker's share of the model (the model split D ways): a schedule with v stages per
+worker and pipe (interleaved) charges each of its D*v stages 1/v of them. ``memory_limit`` bounds the peak
+activations per worker in micro-batches (the simulator's ``peak_activations``). 1F1B is always a candidate, so
+the choice is never slower than 1F1B when 1F1B fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from chimera.schedule.fill import UnitCosts
+from chimera.schedule.generators import ScheduleConfigError, build_schedule
+from chimera.schedule.simulate import Costs, Num, simulate
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One simulated candidate: its flags (``label``), build options, makespan, bubble, peak activations."""
+
+    label: str
+    name: str
+    options: dict[str, Any] = field(compare=False)
+    makespan: Num = 0
+    bubble: Num = 0
+    peak: Num = 0
+    fits: bool = True
+
+
+def candidates(stages: int, microbatches: int, halving: bool = True) -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, schedule name, build options; ``chunks``: stages per worker and pipe, each 1/chunks of a worker's
+    share) of every schedule that builds for (D, N); ``halving``: include
+    Chimera's backward halving (it needs an even micro-batch size, and pays off only where a unit's cost shrinks
+    with its size, which the simulator assumes)."""
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    for split in (False, True):
+        tail = " --split-backward" if split else ""
+        out.append((f"1f1b{tail}", "1f1b", {"split_backward": split}))
+        if microbatches % stages == 0:
+            out.append((f"interleaved --chunks 2{tail}", "interleaved", {"chunks": 2, "split_backward": split}))
+        if stages % 2 == 0 and microbatches % stages == 0:
+            for mode in ("direct", "doubling", "halving"):
+                if (mode == "doubling" and microbatches % (2 * stages)) or (mode == "halving" and not halving):
+                    continue
+                out.append((f"chimera --mode {mode}{tail}", "chimera", {"mode": mode, "split_backward": split}))
+    out += [("zb-h1", "zb-h1", {"split_backward": True}), ("zb-h2", "zb-h2", {"split_backward": True})]
+    if microbatches % 2 == 0:  # 2D half-size stages
+        out.append(("bitpipe", "bitpipe", {"chunks": 2, "split_backward": True}))
+    return out
+
+
+def per_stage(costs: Costs, chunks: int) -> Costs:
+    """``costs`` of one worker's share, for a pipe of D*chunks stages (each 1/chunks of a share)."""
+    if chunks == 1:
+        return costs
+
+    def split(v: Any) -> Any:
+        if isinstance(v, Sequence):
+            return [split(v[s // chunks]) for s in range(len(v) * chunks)]
+        return Fraction(v, chunks) if isinstance(v, int | Fraction) else v / chunks
+
+    return dataclasses.replace(costs, fwd=split(costs.fwd), bwd=split(costs.bwd), wgrad=split(costs.wgrad),
+                               allreduce=split(costs.allreduce))
+
+
+def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
+         halving: bool = True, layers: int | None = None) -> list[Choice]:
+    """Every candidate simulated with ``costs``; those that fit first, fastest first (then least memory).
+    ``layers``: leave out candidates with more stages than the model has layers."""
+    out = []
+    order = UnitCosts.of(costs)
+    for label, name, options in candidates(stages, microbatches, halving):
+        if layers is not None and stages * options.get("chunks", 1) > layers:
+            continue
+        options = {**options, "order_costs": order}
+        try:
+            s = build_schedule(name, stages, microbatches, **options)
+        except ScheduleConfigError:
+            continue
+        chunks = options.get("chunks", 1)
+        r = simulate(s, per_stage(costs, chunks))
+        peak = max(r.peak_activations) / chunks  # a stage of a D*chunks pipe stashes 1/chunks of a share
+        peak = int(peak) if peak == int(peak) else peak
+        out.append(Choice(label, name, options, r.makespan, r.bubble, peak, memory_limit is None or peak <= memory_limit))
+    # ties: the simpler schedule (no split backward), then the least memory
+    return sorted(out, key=lambda c: (not c.fits, c.makespan, c.options.get("split_backward", False), c.peak))
+
+
+def best(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
+         halving: bool = True, layers: int | None = None) -> tuple[Choice, list[Choice]]:
+    """The fastest candidate that fits, and the whole ranking; ScheduleConfigError when none fits."""
+    ranked = rank(stages, microbatches, costs, memory_limit, halving, layers)
+    if not ranked or not ranked[0].fits:
+        least = min((c.peak for c in ranked), default=None)
+        raise ScheduleConfigError(f"no schedule for D={stages}, N={microbatches} fits --memory-limit {memory_limit} "
+                                  f"micro-batches of activations per worker; the least any needs is {least}")
+    return ranked[0], ranked
+
+
+def explain(choice: Choice, ranked: Sequence[Choice]) -> str:
+    """Why ``choice``: its figures against 1F1B's and the runner-up's."""
+    ref = next(c for c in ranked if c.label == "1f1b")
+    others = [c for c in ranked if c.fits and c is not choice]
+    why = (f"auto: {choice.label}: makespan {float(choice.makespan):g} (bubble {float(choice.bubble):.3f}, peak "
+           f"{float(choice.peak):g} micro-batches), {float(ref.makespan / choice.makespan):.3f}x as fast as 1f1b "
+           f"({float(ref.makespan):g})")
+    if others:
+        why += f"; next: {others[0].label} ({float(others[0].makespan):g})"
+    skipped = [c.label for c in ranked if not c.fits]
+    if skipped:
+        why += f"; over the memory limit: {', '.join(skipped)}"
+    return why
+
+
+def ranking(choice: Choice, ranked: Sequence[Choice]) -> dict[str, Any]:
+    """JSON-ready: the choice, why, and every candidate's figures."""
+    return {"choice": choice.label, "why": explain(choice, ranked), "candidates": [
+        {"schedule": c.label, "makespan": float(c.makespan), "bubble": float(c.bubble), "peak": float(c.peak),
+         "fits": c.fits} for c in ranked]}
+
+
+def table(choice: Choice, ranked: Sequence[Choice]) -> str:
+    """One line per candidate, then why the choice."""
+    lines = [f"{'schedule':<42} {'makespan':>9} {'bubble':>7} {'peak':>5}"]
+    lines += [f"{c.label:<42} {float(c.makespan):>9g} {float(c.bubble):>7.3f} {float(c.peak):>5g}"
+              f"{'' if c.fits else '  over --memory-limit'}" for c in ranked]
+    return "\n".join([*lines, explain(choice, ranked)])
+
+
+def auto_costs(chain: Any, stages: int, micro_batch_size: int) -> tuple[Costs, bool]:
+    """The costs of one worker's share ``--schedule auto`` simulates with, and whether backward halving is a
+    candidate.
+
+    The delay model's sleeps (tf, tb, tw per block, times the blocks of a share) exactly, without halving (a
+    sleep does not shrink with the micro-batch); any other model F = I = W (a backward twice a forward, half of
+    it weight gradients), with halving where the micro-batch size is even.
+    """
+    seconds = getattr(chain, "block_seconds", None)
+    if seconds is not None:
+        share = Fraction(chain.config.num_blocks, stages)
+        tf, tb, tw = (float(t * share) for t in seconds)
+        return Costs(fwd=tf, bwd=tb, wgrad=tw), False
+    return Costs(fwd=1, bwd=1, wgrad=1), micro_batch_size % 2 == 0

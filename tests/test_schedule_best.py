@@ -1,0 +1,102 @@
+"""--schedule auto / chimera schedule best, --schedule-file, and the delay model's split costs."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from chimera.cli import main
+from chimera.config import ConfigError, TrainConfig
+from chimera.models import build_model
+from chimera.schedule import Costs, ScheduleConfigError, build_schedule, simulate, to_csv, to_json
+from chimera.schedule.best import best, rank
+
+EQUAL = Costs(fwd=1, bwd=1, wgrad=1)
+
+
+@pytest.mark.parametrize("d", [4, 8, 16, pytest.param(32, marks=pytest.mark.slow),
+                               pytest.param(64, marks=pytest.mark.slow)])
+def test_auto_is_never_slower_than_1f1b(d):
+    """D in {4..64} x N in {D, 2D, 4D, 8D}, F = B = W: the choice is the fastest candidate, 1F1B among them."""
+    for n in (d, 2 * d, 4 * d, 8 * d):
+        choice, ranked = best(d, n, EQUAL)
+        one_f_one_b = simulate(build_schedule("1f1b", d, n), EQUAL).makespan
+        assert choice.makespan < one_f_one_b, (d, n, choice)
+        assert choice.makespan == min(c.makespan for c in ranked)
+
+
+def test_memory_limit_and_costs_change_the_choice():
+    choice, _ = best(8, 16, EQUAL)
+    assert choice.label == "chimera --mode halving --split-backward" and choice.bubble < 0.031
+    no_halving = best(8, 16, EQUAL, halving=False)[0]  # half-size stages instead of half-size micro-batches
+    assert no_halving.label == "bitpipe" and no_halving.makespan == 49.5 and no_halving.peak == 12
+    assert best(8, 16, EQUAL, halving=False, layers=10)[0].label == "chimera --mode direct --split-backward"
+    limited, ranked = best(8, 16, EQUAL, memory_limit=8, halving=False)
+    assert limited.peak <= 8 and any(not c.fits for c in ranked)
+    plain, _ = best(4, 8, Costs(fwd=1, bwd=2), halving=False)  # W free: splitting gains nothing, the simpler wins
+    assert not plain.options.get("split_backward")
+    with pytest.raises(ScheduleConfigError, match="fits --memory-limit 1 micro-batches"):
+        best(4, 4, EQUAL, memory_limit=1)
+    assert [c.label for c in rank(3, 4, EQUAL)] and all("chimera" not in c.label for c in rank(3, 4, EQUAL))
+
+
+def test_cli_best_prints_the_choice_and_why(capsys):
+    assert main(["schedule", "best", "-D", "4", "-N", "8", "--fwd", "1", "--bwd", "1", "--wgrad", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["choice"] == out["candidates"][0]["schedule"] and "as fast as 1f1b" in out["why"]
+    assert main(["schedule", "best", "-D", "4", "-N", "8", "--memory-limit", "2", "--no-halving"]) == 2
+    assert "least any needs is 4" in capsys.readouterr().err
+
+
+def test_auto_in_the_config_uses_the_models_costs():
+    delay = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": 4, "fwd_s": 0.01}, schedule="auto",
+                                   stages=4, micro_batches=8, partition="uniform")
+    job = delay.check()
+    assert job.cfg.schedule.name == "chimera" and job.cfg.schedule.split_backward  # no halving: sleeps don't shrink
+    assert job.cfg.schedule.mode == "direct" and job.schedule_choice.startswith("auto: chimera --mode direct")
+    slow_w = delay.with_flags(model_overrides={"num_blocks": 4, "fwd_s": 0.01, "bwd_s": 0.02, "wgrad_s": 0.0})
+    assert not slow_w.check().cfg.schedule.split_backward
+
+
+def test_schedule_file_trains_json_or_csv_and_refuses_a_bad_one(tmp_path):
+    base = TrainConfig.from_flags(model="bert-tiny", stages=2, micro_batches=4, partition="uniform", corpus="synthetic",
+                                  seq_len=16)
+    good = tmp_path / "zb.json"
+    good.write_text(to_json(build_schedule("zb-h1", 2, 4)))
+    job = base.with_flags(schedule_file=str(good)).check()
+    assert job.schedule.name == "zb-h1" and job.schedule_choice == f"schedule file {good}"
+    csv = tmp_path / "1f1b.csv"
+    csv.write_text(to_csv(build_schedule("1f1b", 2, 4)))
+    assert base.with_flags(schedule_file=str(csv), data_parallel=2).check().schedule.data_parallel == 2
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1B1,1F1,1B0,1F2,1B2,1F3,1B3\n")
+    with pytest.raises(ConfigError, match=r"(?s)1B1 comes before its forward on worker 1\nstep w0 .*>1B1<"):
+        base.with_flags(schedule_file=str(bad)).check()
+    with pytest.raises(ConfigError, match="pass --stages 2 --micro-batches 4"):
+        base.with_flags(schedule_file=str(csv), micro_batches=8).check()
+    lowered = tmp_path / "lowered.json"
+    lowered.write_text(to_json(build_schedule("1f1b", 2, 4).compute_only().__class__.from_text(
+        "0: 0F0 0SEND_F0 0RECV_B0 0B0\n1: 1RECV_F0 1F0 1B0 1SEND_B0")))
+    with pytest.raises(ConfigError, match="compute actions only"):
+        base.with_flags(schedule_file=str(lowered), micro_batches=1).check()
+
+
+def test_delay_model_sleeps_tb_in_i_and_tw_in_w():
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    chain = build_model("delay", num_blocks=1, fwd_s=0.0, bwd_s=0.05, wgrad_s=0.15)
+    block = chain.layers[1]()
+    x = torch.randn(2, 16, requires_grad=True)
+    out = block(x)
+    t0 = time.perf_counter()
+    _, groups = stage_backward_input([out.clone()], [torch.ones_like(out)], [x], block.parameters())
+    t1 = time.perf_counter()
+    stage_backward_weight(block.parameters(), groups)
+    t2 = time.perf_counter()
+    assert 0.05 <= t1 - t0 < 0.12 and 0.15 <= t2 - t1 < 0.25
+    assert x.grad is not None and all(p.grad is not None for p in block.parameters())
+    full = block(x)
+    t0 = time.perf_counter()
+    full.sum().backward()
+    assert time.perf_counter() - t0 >= 0.2  # a whole backward sleeps tb + tw
