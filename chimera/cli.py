@@ -402,7 +402,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``chimera`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["train"]:  # every flag after it is the launcher's (argparse's REMAINDER drops leading --x)
+            return int(cmd_train(argparse.Namespace(args=argv[1:])) or 0)
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except (UsageError, ScheduleConfigError) as e:

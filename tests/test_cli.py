@@ -93,3 +93,10 @@ def test_schedule_commands_do_not_import_torch():
 def test_tokenizer_family_choices(capsys):
     code, _, err = run(capsys, "data", "tokenizer", "corpus.txt", "--family", "bert", "t5")
     assert code == 2 and "invalid choice: 't5' (choose from 'bert', 'gpt2')" in err
+
+
+def test_train_hands_every_flag_to_the_launcher(capsys):
+    """``chimera train --model ...`` reaches the launcher's config check (argparse once swallowed leading flags)."""
+    code, _, err = run(capsys, "train", "--model", "no-such-model", "--steps", "1")
+    assert code == 2 and "unrecognized arguments" not in err
+    assert "--model: unknown model 'no-such-model'" in err
