@@ -32,11 +32,9 @@ from chimera.optim import SCHEDULES as LR_SCHEDULES
 from chimera.schedule import (
     CHIMERA_MODES,
     OFFLOAD_POLICIES,
-    Offload,
     Schedule,
     ScheduleConfigError,
     build_schedule,
-    lower,
     validate,
 )
 from chimera.schedule.io import load_schedule_file
@@ -209,29 +207,11 @@ class TrainConfig:
             boundaries = chain.boundaries(unit)
         except ChainError as e:
             raise ConfigError(str(e)) from None
-        cfg, lowered = cfg._fit_memory(chain, sched, stage_layers, unit)
+        from chimera.plan.fit import fit_budget
+
+        cfg, lowered = fit_budget(cfg, chain, sched, stage_layers, unit)
         return _check_checkpoints(Job(cfg, chain, data, validate(lowered), stage_layers, boundaries, prediction,
                                       choice))
-
-    def _fit_memory(self, chain: LayerChain, sched: Schedule, stage_layers: list[list[int]], unit: int
-                    ) -> tuple[TrainConfig, Schedule]:
-        """The schedule lowered with the offload policy; with ``--memory-per-worker``, priced by the memory model
-        on the chain's shapes and refused when it cannot fit (``--offload auto``: the least offload that fits)."""
-        t = self.training
-        if t.memory_per_worker is None:
-            return self, lower(sched, Offload(t.offload, t.prefetch))
-        from chimera.plan.memory import parse_bytes
-        from chimera.plan.search import fit_offload
-        from chimera.profile.shapes import shapes_profile
-
-        policies = OFFLOAD_POLICIES if t.offload == "auto" else (t.offload,)
-        try:
-            off, lowered, _ = fit_offload(shapes_profile(chain, unit), sched, stage_layers, unit, t.optimizer,
-                                          t.recompute, parse_bytes(t.memory_per_worker), policies, t.prefetch,
-                                          exchange=t.device == "cpu")
-        except ValueError as e:
-            raise ConfigError(f"--memory-per-worker {t.memory_per_worker}: {e}") from None
-        return self.with_flags(offload=off.policy), lowered
 
 
 def _schedule(cfg: TrainConfig, chain: LayerChain | None) -> tuple[Schedule, TrainConfig, str | None]:
@@ -338,7 +318,7 @@ def _check_fields(cfg: TrainConfig) -> None:
 
 def _check_memory(cfg: TrainConfig, chain: LayerChain, sched: Any) -> None:
     """Refuse a configuration the memory model says cannot fit the memory a worker has (the uniform split stands in
-    for a planned one). A ``--memory-per-worker`` budget is checked later, with offload, by ``_fit_memory``."""
+    for a planned one). A ``--memory-per-worker`` budget is checked later, with offload, by :func:`chimera.plan.fit.fit_budget`."""
     from chimera.plan.fit import check_fits
 
     if cfg.training.memory_per_worker is not None:

@@ -62,3 +62,24 @@ def check_fits(cfg: Any, chain: Any, schedule: Schedule, stage_layers: Sequence[
             f"{limit[0] / GiB:.2f} GiB ({limit[1]}); lower --micro-batch-size, add --recompute or more --stages, "
             "or set --memory-per-worker")
     return peak
+
+
+def fit_budget(cfg: Any, chain: Any, sched: Schedule, stage_layers: list[list[int]], unit: int) -> tuple[Any, Schedule]:
+    """The config (its offload policy chosen, for ``--offload auto``) and its schedule lowered with that policy.
+    With ``--memory-per-worker`` the memory model prices it on the chain's shapes and a configuration that cannot
+    fit is refused (ConfigError naming the bytes needed per policy against the budget)."""
+    from chimera.validation import ConfigError
+    from chimera.plan.search import fit_offload
+    from chimera.schedule import OFFLOAD_POLICIES, Offload, lower
+
+    t = cfg.training
+    if t.memory_per_worker is None:
+        return cfg, lower(sched, Offload(t.offload, t.prefetch))
+    policies = OFFLOAD_POLICIES if t.offload == "auto" else (t.offload,)
+    try:
+        off, lowered, _ = fit_offload(shapes_profile(chain, unit), sched, stage_layers, unit, t.optimizer,
+                                      t.recompute, parse_bytes(t.memory_per_worker), policies, t.prefetch,
+                                      exchange=t.device == "cpu")
+    except ValueError as e:
+        raise ConfigError(f"--memory-per-worker {t.memory_per_worker}: {e}") from None
+    return cfg.with_flags(offload=off.policy), lowered
