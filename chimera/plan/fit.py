@@ -68,9 +68,9 @@ def fit_budget(cfg: Any, chain: Any, sched: Schedule, stage_layers: list[list[in
     """The config (its offload policy chosen, for ``--offload auto``) and its schedule lowered with that policy.
     With ``--memory-per-worker`` the memory model prices it on the chain's shapes and a configuration that cannot
     fit is refused (ConfigError naming the bytes needed per policy against the budget)."""
-    from chimera.validation import ConfigError
     from chimera.plan.search import fit_offload
     from chimera.schedule import OFFLOAD_POLICIES, Offload, lower
+    from chimera.validation import ConfigError
 
     t = cfg.training
     if t.memory_per_worker is None:
