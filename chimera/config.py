@@ -87,7 +87,8 @@ class TrainingConfig:
     timeout_s: float = 120.0
     threads: int | None = None
     memory_per_worker: str | None = None  # e.g. "80GiB": the planner's memory limit and the runtime's budget
-    offload: str = "none"  # none, optimizer, optimizer+gradients, everything, auto (the least that fits)
+    offload: str = "none"  # none, optimizer, optimizer+gradients, everything, a comma list of those (one per stage),
+    # or auto (the least per stage that fits)
     prefetch: int = 1  # weights offloaded: swap a stage's weights in this many compute actions ahead
     check_replicas: bool = False
     debug_stall: tuple[int, float] | None = None  # (worker rank, seconds): fault injection for timeout tests
@@ -210,19 +211,26 @@ class TrainConfig:
         on the chain's shapes and refused when it cannot fit (``--offload auto``: the least offload that fits)."""
         t = self.training
         if t.memory_per_worker is None:
-            return self, lower(sched, Offload(t.offload, t.prefetch))
+            try:
+                return self, lower(sched, Offload(t.offload, t.prefetch))
+            except ValueError as e:
+                raise ConfigError(f"--offload {t.offload}: {e}") from None
         from chimera.plan.memory import parse_bytes
         from chimera.plan.search import fit_offload
         from chimera.profile.shapes import shapes_profile
 
+        try:
+            Offload(t.offload if t.offload != "auto" else "none", t.prefetch).check(sched.stages)
+        except ValueError as e:
+            raise ConfigError(f"--offload {t.offload}: {e}") from None
         policies = OFFLOAD_POLICIES if t.offload == "auto" else (t.offload,)
         try:
             off, lowered, _ = fit_offload(shapes_profile(chain, unit), sched, stage_layers, unit, t.optimizer,
                                           t.recompute, parse_bytes(t.memory_per_worker), policies, t.prefetch,
-                                          exchange=t.device == "cpu")
+                                          exchange=t.device == "cpu", per_stage=t.offload == "auto")
         except ValueError as e:
             raise ConfigError(f"--memory-per-worker {t.memory_per_worker}: {e}") from None
-        return self.with_flags(offload=off.policy), lowered
+        return self.with_flags(offload=off.text), lowered
 
 
 def _need(ok: bool, message: str) -> None:
@@ -249,12 +257,15 @@ def _check_fields(cfg: TrainConfig) -> None:
     _need(t.timeout_s > 0, f"--timeout must be > 0 seconds, got {t.timeout_s}")
     _need(t.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {t.clip_grad}")
     _need(t.threads is None or t.threads >= 1, f"--threads must be >= 1, got {t.threads}")
-    _need(t.offload in (*OFFLOAD_POLICIES, "auto"),
-          f"--offload must be one of {', '.join((*OFFLOAD_POLICIES, 'auto'))}, got {t.offload!r}")
+    unknown = [p for p in t.offload.split(",") if p.strip() not in OFFLOAD_POLICIES]
+    _need(t.offload == "auto" or not unknown,
+          f"--offload must be one of {', '.join((*OFFLOAD_POLICIES, 'auto'))}, or a comma list with one of "
+          f"{', '.join(OFFLOAD_POLICIES)} per stage (e.g. everything,optimizer,none,none for 4 stages); "
+          f"got {t.offload!r}: {', '.join(map(repr, unknown))} unknown")
     _need(t.prefetch >= 0, f"--prefetch must be >= 0 compute actions, got {t.prefetch}")
     _need(t.offload != "auto" or t.memory_per_worker is not None,
           "--offload auto chooses the least offload that fits --memory-per-worker: give that budget too")
-    _need(t.offload in ("none", "optimizer") or t.device == "cpu",
+    _need(all(p.strip() in ("none", "optimizer") for p in t.offload.split(",")) or t.device == "cpu",
           f"--offload {t.offload} sums offloaded gradients over host buffers, which NCCL cannot do yet: use --offload "
           "optimizer on --device cuda")
     if t.memory_per_worker is not None:

@@ -14,9 +14,9 @@ Per unit and stage: without recomputation the stash is what the stage's layers s
 Gradient sums: a flat copy of the stage's gradients from the sum's start to the optimizer step, and on gloo
 for a pair of replicas also the peer's bucket, received into a buffer posted when the step starts.
 
-With offload (a schedule lowered with ``Offload``) the device holds no optimizer state, gradients only from a
-backward to their GRAD_OUT (gradient sums then run over host buffers), and, with weights offloaded, a stage's
-weights only from its SWAP_IN to its SWAP_OUT.
+With offload (a schedule lowered with ``Offload``), for every stage by that stage's policy, the device holds no
+optimizer state, gradients only from a backward to their GRAD_OUT (gradient sums then run over host buffers), and,
+with weights offloaded, a stage's weights only from its SWAP_IN to its SWAP_OUT.
 """
 
 from __future__ import annotations
@@ -176,9 +176,10 @@ def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[S
 def _worker(held: list[int], groups: list[int], states: set[tuple[tuple[int, ...], ...]], stages: list[_Stage],
             exchange: bool, offload: Offload) -> WorkerMemory:
     st = [stages[s] for s in held]
-    opt = 0 if offload.optimizer else sum(x.optimizer for x in st)
-    device_sync = not offload.gradients  # offloaded gradients are summed over host buffers
-    preposted = sum(x.bucket for x, n in zip(st, groups) if exchange and n == 2) if device_sync else 0
+    opt = sum(x.optimizer for s, x in zip(held, st) if not offload.optimizer_at(s))
+    # offloaded gradients are summed over host buffers: no device buffers for that stage's sum
+    device_sync = [not offload.gradients_at(s) for s in held]
+    preposted = sum(x.bucket for x, n, d in zip(st, groups, device_sync) if exchange and n == 2 and d)
     extra = [x.full_stash if x.stash != x.full_stash else 0 for x in st]  # a recomputing backward's transient
     peak, peak_total = WorkerMemory(0, opt, 0, 0, 0, preposted), 0
     for live, grads, transient, out, inn, flats, resident in states:
@@ -186,7 +187,7 @@ def _worker(held: list[int], groups: list[int], states: set[tuple[tuple[int, ...
         act = sum(c * x.stash + t * e for c, t, x, e in zip(live, transient, st, extra))
         g = sum(x.params for f, x in zip(grads, st) if f)
         msgs = sum(o * x.msg_out + i * x.msg_in for o, i, x in zip(out, inn, st))
-        sync = preposted + sum(x.bucket for f, x, n in zip(flats, st, groups) if f and n > 1 and device_sync)
+        sync = preposted + sum(x.bucket for f, x, n, d in zip(flats, st, groups, device_sync) if f and n > 1 and d)
         total = params + opt + g + act + msgs + sync
         if total > peak_total:
             peak_total, peak = total, WorkerMemory(params, opt, g, act, msgs, sync)

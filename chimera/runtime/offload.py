@@ -40,14 +40,15 @@ class WeightRef(NamedTuple):
 
 
 class HostStore:
-    """Host copies of one worker's stage replicas and the swaps between them and the device (module docstring)."""
+    """Host copies of one worker's offloaded stage replicas (``modules``: those whose stage's policy offloads)
+    and the swaps between them and the device (module docstring)."""
 
     def __init__(self, modules: dict[StageKey, nn.Module], offload: Offload, device: torch.device) -> None:
         self.offload = offload
         self.device = device
         self.cuda = device.type == "cuda"
         self.params: dict[StageKey, list[nn.Parameter]] = {}
-        self.host: dict[int, nn.Parameter] = {}
+        self.host: dict[int, nn.Parameter] = {}  # id of a device parameter -> its host copy
         for key, mod in modules.items():
             unique = list(dict.fromkeys(mod.parameters()))
             self.params[key] = unique
@@ -58,15 +59,20 @@ class HostStore:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.ready: dict[StageKey, Any] = {}
         self.resident: dict[int, nn.Parameter] = {}  # storage address of a device weight -> its parameter
+        self.copies = {id(h) for h in self.host.values()}
         self.moved = 0  # bytes moved between host and device in this step
-        if offload.weights:
-            for key in self.params:
+        for key in self.params:
+            if offload.weights_at(key[1]):
                 self.swap_out(key)
         self.moved = 0
 
     def home(self, p: nn.Parameter) -> nn.Parameter:
-        """The host copy of device parameter ``p``."""
-        return self.host[id(p)]
+        """The host copy of device parameter ``p`` (``p`` itself when its stage keeps it on the device)."""
+        return self.host.get(id(p), p)
+
+    def is_host(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of the store's host copies."""
+        return id(p) in self.copies
 
     def start_step(self) -> None:
         self.moved = 0
