@@ -90,6 +90,7 @@ class TrainingConfig:
     offload: str = "none"  # none, optimizer, optimizer+gradients, everything, a comma list of those (one per stage),
     # or auto (the least per stage that fits)
     prefetch: int = 1  # weights offloaded: swap a stage's weights in this many compute actions ahead
+    offload_pack: int = 0  # weights offloaded: swap them in packs of this many layers inside compute (0: stages)
     check_replicas: bool = False
     debug_stall: tuple[int, float] | None = None  # (worker rank, seconds): fault injection for timeout tests
 
@@ -212,7 +213,7 @@ class TrainConfig:
         t = self.training
         if t.memory_per_worker is None:
             try:
-                return self, lower(sched, Offload(t.offload, t.prefetch))
+                return self, lower(sched, Offload(t.offload, t.prefetch, t.offload_pack))
             except ValueError as e:
                 raise ConfigError(f"--offload {t.offload}: {e}") from None
         from chimera.plan.memory import parse_bytes
@@ -227,7 +228,8 @@ class TrainConfig:
         try:
             off, lowered, _ = fit_offload(shapes_profile(chain, unit), sched, stage_layers, unit, t.optimizer,
                                           t.recompute, parse_bytes(t.memory_per_worker), policies, t.prefetch,
-                                          exchange=t.device == "cpu", per_stage=t.offload == "auto")
+                                          exchange=t.device == "cpu", per_stage=t.offload == "auto",
+                                          pack=t.offload_pack)
         except ValueError as e:
             raise ConfigError(f"--memory-per-worker {t.memory_per_worker}: {e}") from None
         return self.with_flags(offload=off.text), lowered
@@ -263,6 +265,10 @@ def _check_fields(cfg: TrainConfig) -> None:
           f"{', '.join(OFFLOAD_POLICIES)} per stage (e.g. everything,optimizer,none,none for 4 stages); "
           f"got {t.offload!r}: {', '.join(map(repr, unknown))} unknown")
     _need(t.prefetch >= 0, f"--prefetch must be >= 0 compute actions, got {t.prefetch}")
+    _need(t.offload_pack >= 0, f"--offload-pack must be >= 0 layers (0: whole stages), got {t.offload_pack}")
+    _need(t.offload_pack == 0 or t.offload == "auto" or "everything" in t.offload,
+          f"--offload-pack {t.offload_pack} swaps weights in packs: give --offload everything (for some stage) or "
+          f"auto, got --offload {t.offload}")
     _need(t.offload != "auto" or t.memory_per_worker is not None,
           "--offload auto chooses the least offload that fits --memory-per-worker: give that budget too")
     _need(all(p.strip() in ("none", "optimizer") for p in t.offload.split(",")) or t.device == "cpu",

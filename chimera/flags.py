@@ -61,6 +61,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "(everything); auto: the least per stage that fits --memory-per-worker")
     p.add_argument("--prefetch", type=int, default=t.prefetch,
                    help="weights offloaded: swap a stage's weights in this many compute actions ahead")
+    p.add_argument("--offload-pack", type=int, default=t.offload_pack,
+                   help="weights offloaded: swap them in packs of this many layers inside each forward/backward "
+                        "(two packs on the device at once; 0: whole stages)")
     p.add_argument("--plan", default=None, help="train a plan: a file from chimera plan, or 'auto' (profile briefly, "
                    "then plan for --stages x --data-parallel workers and this global batch)")
     p.add_argument("--profile", action="store_true", help="record per-action timeline events and write "

@@ -247,30 +247,31 @@ def _per_stage(profile: Profile, ev: Evaluated, sched: Schedule, memory_limit: i
 
 def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
                 optimizer: str, recompute: bool, budget: int, policies: Sequence[str] = OFFLOAD_POLICIES,
-                prefetch: int = 1, exchange: bool = True, per_stage: bool = False
+                prefetch: int = 1, exchange: bool = True, per_stage: bool = False, pack: int = 0
                 ) -> tuple[Offload, Schedule, list[WorkerMemory]]:
     """The first of ``policies`` (least offload first) whose every worker fits ``budget`` bytes, the compute-only
     ``schedule`` lowered with it, and the workers' peaks; ValueError naming the bytes needed against the budget
     and what to change when none fits. ``per_stage``: then the least offload per stage that fits (each worker
     by the policies of the stages it holds, none above the first uniform policy that fits; see
-    :func:`_least_per_stage`)."""
+    :func:`_least_per_stage`). ``pack``: stages offloading weights move them in packs of that many layers."""
     tried = []
     for k, policy in enumerate(policies):
-        off = Offload(policy, prefetch)
+        off = Offload(policy, prefetch, pack)
         lowered = lower(schedule, off)
         mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off)
         w = max(range(len(mem)), key=lambda i: mem[i].total)
         if mem[w].total <= budget:
             if per_stage and k > 0:
                 return _least_per_stage(profile, schedule, stage_layers, unit, optimizer, recompute, budget,
-                                        policies[:k + 1], prefetch, exchange)
+                                        policies[:k + 1], prefetch, exchange, pack)
             return off, lowered, mem
         m = mem[w]
         tried.append(f"--offload {policy}: {m.total} bytes ({m.total / 2**20:.1f} MiB) on worker {w}: parameters "
                      f"{m.params}, optimizer state {m.optimizer}, gradients {m.grads}, activations {m.activations}, "
                      f"messages {m.messages}, gradient sums {m.sync}")
     more = [p for p in OFFLOAD_POLICIES[OFFLOAD_POLICIES.index(policies[-1]) + 1:]]
-    hint = f"--offload {more[-1]} or auto, " if more else ""
+    hint = f"--offload {more[-1]} or auto, " if more else ("--offload-pack 1 (weights in packs of layers), "
+                                                          if not pack else "a smaller --offload-pack, ")
     raise ValueError(f"the configuration needs more than the budget of {budget} bytes ({budget / 2**20:.1f} MiB) per "
                      f"worker: {'; '.join(tried)}. Change: {hint}more stages (--stages), --recompute, a smaller "
                      "--micro-batch-size or --prefetch, or a larger --memory-per-worker")
@@ -278,7 +279,7 @@ def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Seq
 
 def _least_per_stage(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
                      optimizer: str, recompute: bool, budget: int, policies: Sequence[str], prefetch: int,
-                     exchange: bool) -> tuple[Offload, Schedule, list[WorkerMemory]]:
+                     exchange: bool, pack: int = 0) -> tuple[Offload, Schedule, list[WorkerMemory]]:
     """The least per-stage offload that fits, given that ``policies[-1]`` for every stage fits.
 
     A worker's memory depends only on the policies of the stages it holds, so stages are grouped by the workers
@@ -311,7 +312,7 @@ def _least_per_stage(profile: Profile, schedule: Schedule, stage_layers: Sequenc
     chosen: dict[int, dict[int, int]] = {}
     for j in range(max(len(o) for o in orders)):
         levels = {s: lv for gi, o in enumerate(orders) for s, lv in chosen.get(gi, o[min(j, len(o) - 1)]).items()}
-        off = Offload(tuple(policies[levels[s]] for s in range(d)), prefetch)
+        off = Offload(tuple(policies[levels[s]] for s in range(d)), prefetch, pack)
         lowered = lower(schedule, off)
         mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off)
         for gi, g in enumerate(groups):
@@ -319,5 +320,5 @@ def _least_per_stage(profile: Profile, schedule: Schedule, stage_layers: Sequenc
                 chosen[gi] = {s: levels[s] for s in g}
         if len(chosen) == len(groups):
             uniform = {off.policies[0]} == set(off.policies)
-            return (Offload(off.policies[0], prefetch) if uniform else off), lowered, mem
+            return (Offload(off.policies[0], prefetch, pack) if uniform else off), lowered, mem
     raise AssertionError("the uniform policy fits, so every group fits by its last combination")  # pragma: no cover

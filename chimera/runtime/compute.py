@@ -105,11 +105,15 @@ class StageCompute:
         for g, mb in zip(grads, a.microbatches):
             saved = st.stash.pop(Slot(a.pipe, a.stage, mb))
             out = saved.output if saved.output is not None else self._recompute(mod, saved)
+            if self.store:  # weights in packs: the last one in before the backward
+                self.store.backward_packs((a.pipe, a.stage))
             if mod.is_last:
                 (out * self.loss_scale).backward()
             else:
                 pairs = [(t, gt) for t, gt in zip(out, _fill(g, out_specs)) if gt is not None and t.requires_grad]
                 torch.autograd.backward([t for t, _ in pairs], [gt.to(t.dtype) for t, gt in pairs])
+            if self.store:
+                self.store.release_packs((a.pipe, a.stage))
             if not mod.is_first:
                 sent.append(tuple(t.grad if t.grad is not None else torch.zeros_like(t)
                                   for t, s in zip(saved.inputs, in_specs) if s.requires_grad))

@@ -46,7 +46,8 @@ class MemoryLedger:
             on_host += [t for (_, s), b in stages.buckets.items() if host.offload.gradients_at(s) for t in b.held()]
         host_bytes = _bytes(on_host, seen)
         counts = {
-            "params": _bytes(stages.device_params, seen),
+            # weights in packs: the most held at once during the action (released by its end)
+            "params": _bytes(stages.device_params, seen) + (host.transient_peak() if host else 0),
             "optimizer": _bytes(_state_tensors(stages.optimizer), seen),
             "grads": _bytes((p.grad for p in stages.device_params if p.grad is not None), seen),
             "activations": _bytes(_stash_tensors(st), seen),

@@ -40,7 +40,7 @@ class StageState:
         cfg, sched = job.cfg.training, job.schedule
         self.comm = comm
         self.device = device
-        offload = Offload(cfg.offload, cfg.prefetch)
+        offload = Offload(cfg.offload, cfg.prefetch, cfg.offload_pack)
         # weights offloaded: built in host memory, never whole on the device (the store releases them there)
         self.modules: dict[StageKey, StageModule] = {
             (pipe, s): build_stage(job.chain, job.stage_layers[s], cfg.seed,

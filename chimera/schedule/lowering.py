@@ -101,11 +101,15 @@ class Offload:
     copy of the weights); ``optimizer+gradients``: also the gradients (moved out after every backward, summed
     on the host); ``everything``: also the weights, on the device only from their swap-in, ``prefetch`` compute
     actions before they are used, until the last of those uses. Both replicas of a stage (Chimera's two pipes)
-    follow that stage's policy.
+    follow that stage's policy. ``pack`` (weights offloaded): a stage's weights move in packs of that many
+    consecutive layers inside each of its forwards and backwards (the current pack and the prefetched next one
+    on the device), so the schedule has no SWAP_IN/SWAP_OUT for such a stage: its swaps are part of its compute
+    actions, in their cost (``chimera.plan.costs``) and their memory (``chimera.plan.memory``). 0: whole stages.
     """
 
     policy: str | tuple[str, ...] = "none"
     prefetch: int = 1
+    pack: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str) and "," in self.policy:
@@ -116,6 +120,8 @@ class Offload:
                              f"a comma list with one per stage), got {', '.join(map(repr, bad))}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {self.prefetch}")
+        if self.pack < 0:
+            raise ValueError(f"pack size must be >= 0 layers (0: whole stages), got {self.pack}")
 
     @property
     def policies(self) -> tuple[str, ...]:
@@ -145,6 +151,10 @@ class Offload:
 
     def weights_at(self, stage: int) -> bool:
         return self.at(stage) == "everything"
+
+    def packed_at(self, stage: int) -> bool:
+        """Stage ``stage``'s weights move in packs inside its compute actions (no swap actions of its own)."""
+        return self.pack > 0 and self.weights_at(stage)
 
     @property
     def optimizer(self) -> bool:
@@ -191,13 +201,14 @@ def _offload_row(row: tuple[Action, ...], offload: Offload) -> list[Action]:
             start -= 1  # before the receives: never split a communication batch
         end = i + 1  # right after the compute: its sends may share a batch with the next one's receives
         for key in uses[n:n + offload.prefetch + 1]:
-            if offload.weights_at(key[1]) and key not in resident:
+            if offload.weights_at(key[1]) and not offload.packed_at(key[1]) and key not in resident:
                 resident.add(key)
                 before.setdefault(start, []).append(Action(Kind.SWAP_IN, *key))
         a = row[i]
         if offload.gradients_at(a.stage) and Res.WGRAD in SPECS[a.kind].produces:
             after.setdefault(end, []).append(Action(Kind.GRAD_OUT, a.pipe, a.stage))
-        if offload.weights_at(a.stage) and uses[n] not in uses[n + 1:n + max(1, offload.prefetch) + 1]:
+        swapped = offload.weights_at(a.stage) and not offload.packed_at(a.stage)
+        if swapped and uses[n] not in uses[n + 1:n + max(1, offload.prefetch) + 1]:
             resident.discard(uses[n])
             after.setdefault(end, []).append(Action(Kind.SWAP_OUT, *uses[n]))
     out: list[Action] = []
