@@ -81,3 +81,18 @@ def test_pack_flag_is_checked():
         base.with_flags(offload_pack=2).check()
     with pytest.raises(ConfigError, match="--offload-pack must be >= 0"):
         base.with_flags(offload="everything", offload_pack=-1).check()
+
+
+def test_packs_with_recompute_and_per_stage_policies():
+    """1F1B recomputing: a recomputing backward streams the packs twice (its forward again, then the backward)."""
+    base = TrainConfig.from_flags(**{**GPT2, "schedule": "1f1b", "recompute": True, "offload": "none",
+                                     "model_overrides": {}})
+    job = base.with_flags(offload="everything,optimizer+gradients", offload_pack=2, prefetch=1).check()
+    got = run_local(job, return_state=True)
+    assert _max_diff(run_local(base, return_state=True).states, got.states) <= 1e-5
+    prof = shapes_profile(job.chain, job.unit_size)
+    predicted = swap_bytes(prof, job.schedule, job.stage_layers, Offload("everything,optimizer+gradients", 1, 2),
+                           recompute=True)
+    once = swap_bytes(prof, job.schedule, job.stage_layers, Offload("everything,optimizer+gradients", 1, 2))
+    assert predicted[0] > once[0] and predicted[1] == once[1]  # only the recomputing (first) stage streams twice
+    assert all(m["swap_bytes"] == predicted for m in got.metrics)
