@@ -72,8 +72,9 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-backward", action="store_true",
                    help="every backward as input-gradient I + weight-gradient W (Chimera: W fills its bubbles)")
     p.add_argument("--lowered", action="store_true", help="include send/recv, allreduce and optimizer actions")
-    p.add_argument("--offload", choices=OFFLOAD_POLICIES, default="none",
-                   help="lowered with the swaps of this offload policy (implies --lowered)")
+    p.add_argument("--offload", default="none",
+                   help=f"lowered with the swaps of this offload policy ({', '.join(OFFLOAD_POLICIES)}, or a comma "
+                        "list with one per stage; implies --lowered)")
     p.add_argument("--prefetch", type=int, default=1, help="with --offload everything: swap-in depth")
 
 
@@ -91,7 +92,7 @@ def _schedule(args: argparse.Namespace, check: bool = True) -> Schedule:
         try:
             return lower(s, Offload(args.offload, args.prefetch))
         except ValueError as e:
-            raise ScheduleConfigError(f"--prefetch: {e}") from None
+            raise ScheduleConfigError(f"--offload {args.offload} --prefetch {args.prefetch}: {e}") from None
     return lower(s) if args.lowered else s
 
 

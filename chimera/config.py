@@ -87,8 +87,10 @@ class TrainingConfig:
     timeout_s: float = 120.0
     threads: int | None = None
     memory_per_worker: str | None = None  # e.g. "80GiB": the planner's memory limit and the runtime's budget
-    offload: str = "none"  # none, optimizer, optimizer+gradients, everything, auto (the least that fits)
+    offload: str = "none"  # none, optimizer, optimizer+gradients, everything, a comma list of those (one per stage),
+    # or auto (the least per stage that fits)
     prefetch: int = 1  # weights offloaded: swap a stage's weights in this many compute actions ahead
+    offload_pack: int = 0  # weights offloaded: swap them in packs of this many layers inside compute (0: stages)
     check_replicas: bool = False
     debug_stall: tuple[int, float] | None = None  # (worker rank, seconds): fault injection for timeout tests
     checkpoint_dir: str | None = None  # where checkpoints go (chimera.runtime.checkpoint); made absolute by check()
@@ -288,12 +290,19 @@ def _check_fields(cfg: TrainConfig) -> None:
     _need(t.clip_grad >= 0 and math.isfinite(t.clip_grad),
           f"--clip-grad must be a finite number >= 0 (0 disables clipping), got {t.clip_grad}")
     _need(t.threads is None or t.threads >= 1, f"--threads must be >= 1, got {t.threads}")
-    _need(t.offload in (*OFFLOAD_POLICIES, "auto"),
-          f"--offload must be one of {', '.join((*OFFLOAD_POLICIES, 'auto'))}, got {t.offload!r}")
+    unknown = [p for p in t.offload.split(",") if p.strip() not in OFFLOAD_POLICIES]
+    _need(t.offload == "auto" or not unknown,
+          f"--offload must be one of {', '.join((*OFFLOAD_POLICIES, 'auto'))}, or a comma list with one of "
+          f"{', '.join(OFFLOAD_POLICIES)} per stage (e.g. everything,optimizer,none,none for 4 stages); "
+          f"got {t.offload!r}: {', '.join(map(repr, unknown))} unknown")
     _need(t.prefetch >= 0, f"--prefetch must be >= 0 compute actions, got {t.prefetch}")
+    _need(t.offload_pack >= 0, f"--offload-pack must be >= 0 layers (0: whole stages), got {t.offload_pack}")
+    _need(t.offload_pack == 0 or t.offload == "auto" or "everything" in t.offload,
+          f"--offload-pack {t.offload_pack} swaps weights in packs: give --offload everything (for some stage) or "
+          f"auto, got --offload {t.offload}")
     _need(t.offload != "auto" or t.memory_per_worker is not None,
           "--offload auto chooses the least offload that fits --memory-per-worker: give that budget too")
-    _need(t.offload in ("none", "optimizer") or t.device == "cpu",
+    _need(all(p.strip() in ("none", "optimizer") for p in t.offload.split(",")) or t.device == "cpu",
           f"--offload {t.offload} sums offloaded gradients over host buffers, which NCCL cannot do yet: use --offload "
           "optimizer on --device cuda")
     if t.memory_per_worker is not None:

@@ -62,12 +62,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-per-worker", default=None,
                    help="device memory budget per worker, e.g. 16GiB: the planner's limit, checked before the run "
                         "starts and by the runtime after every step")
-    p.add_argument("--offload", default=t.offload, choices=(*OFFLOAD_POLICIES, "auto"),
-                   help="keep in host memory: the optimizer state (optimizer), also the gradients "
-                        "(optimizer+gradients), also the weights, swapped in before use (everything); auto: the "
-                        "least that fits --memory-per-worker")
+    p.add_argument("--offload", default=t.offload,
+                   help=f"one of {', '.join((*OFFLOAD_POLICIES, 'auto'))}, or a comma list with one policy per stage "
+                        "(e.g. everything,optimizer,none,none): keep in host memory the optimizer state (optimizer), "
+                        "also the gradients (optimizer+gradients), also the weights, swapped in before use "
+                        "(everything); auto: the least per stage that fits --memory-per-worker")
     p.add_argument("--prefetch", type=int, default=t.prefetch,
                    help="weights offloaded: swap a stage's weights in this many compute actions ahead")
+    p.add_argument("--offload-pack", type=int, default=t.offload_pack,
+                   help="weights offloaded: swap them in packs of this many layers inside each forward/backward "
+                        "(two packs on the device at once; 0: whole stages)")
     p.add_argument("--plan", default=None, help="train a plan: a file from chimera plan, or 'auto' (profile briefly, "
                    "then plan for --stages x --data-parallel workers and this global batch)")
     p.add_argument("--profile", action="store_true", help="record per-action timeline events and write "

@@ -62,7 +62,7 @@ def planned_partition(cfg: Any, chain: Any, schedule: Schedule) -> tuple[list[li
     device = cfg.training.device
     prof = cached_profile(chain, [unit], device, cfg.worker_threads(world), sharing(world, device))
     t = cfg.training
-    offload = Offload(t.offload, t.prefetch) if t.offload != "auto" else None  # auto: decided on this partition
+    offload = Offload(t.offload, t.prefetch, t.offload_pack) if t.offload != "auto" else None  # auto: decided on this partition
     part = plan_partition(prof, schedule, unit, t.recompute, t.optimizer, memory_limit(cfg),
                           exchange=t.device != "cuda", offload=offload)
     prediction = {"step_s": part.step_s, "bubble": part.bubble, "peak_memory_bytes": part.peak_memory,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from chimera.profile import Profile, ProfileError
-from chimera.schedule import Costs, Schedule
+from chimera.schedule import Costs, Offload, Schedule
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,17 @@ def stage_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: i
 
 
 def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, recompute: bool,
-                    schedule: Schedule, optimizer: str | None = None) -> Costs:
+                    schedule: Schedule, optimizer: str | None = None, offload: Offload | None = None) -> Costs:
     """The :class:`~chimera.schedule.Costs` of running ``schedule`` with this partition (module docstring).
 
     The simulator's compute costs are per micro-batch and scaled by the schedule's ``microbatch_scale``, so under
     backward halving (units of B/2) the cost of a unit is given times two. Without a communication profile
-    messages and gradient sums are free (a lower bound).
+    messages and gradient sums are free (a lower bound). ``offload`` with packs: a packed stage's forward and
+    backward include its pack swaps (:func:`_packed`).
     """
     sc = stage_costs(profile, stage_layers, unit, recompute)
+    if offload is not None and offload.pack and profile.host_in is not None:
+        _packed(profile, stage_layers, sc, offload, recompute, profile.device.startswith("cuda"))
     optimizer_s = 0.0
     if optimizer is not None:  # every worker steps its stages' parameters; the step ends with the slowest
         stage_opt = [sum(profile.layers[i].optimizer_s.get(optimizer, 0.0) for i in layers) for layers in stage_layers]
@@ -88,6 +91,28 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     return Costs(fwd=fwd, bwd=bwd, wgrad=wgrad, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes,
                  p2p_bandwidth=comm.p2p.bandwidth_Bps, allreduce=allreduce, optimizer=optimizer_s, swap_in=swap_in,
                  swap_out=swap_out, copy_overlap=overlap)
+
+
+def _packed(profile: Profile, stage_layers: Sequence[Sequence[int]], sc: StageCosts, offload: Offload,
+            recompute: bool, overlap: bool) -> None:
+    """Add their pack swaps to the forward and backward of every stage whose weights move in packs: on CPU every
+    pack's copy (synchronous); with a copy stream (GPU) the first pack's, and what the others take beyond the
+    compute they run beside. A recomputing backward streams the packs twice (its forward again)."""
+    assert profile.host_in is not None
+    last = len(stage_layers) - 1
+    for s, layers in enumerate(stage_layers):
+        if not offload.packed_at(s):
+            continue
+        k = offload.pack
+        times = [profile.host_in.time(sum(profile.layers[i].param_bytes for i in layers[j:j + k]))
+                 for j in range(0, len(layers), k)]
+
+        def exposed(compute: float, times: list[float] = times) -> float:
+            return times[0] + max(0.0, sum(times[1:]) - compute) if overlap else sum(times)
+
+        again = 2 if recompute and s < last else 1
+        sc.bwd[s] += again * exposed(sc.bwd[s] / again)
+        sc.fwd[s] += exposed(sc.fwd[s])
 
 
 def _allreduce_link(profile: Profile, ranks: int):  # type: ignore[no-untyped-def]

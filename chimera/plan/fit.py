@@ -73,13 +73,23 @@ def fit_budget(cfg: Any, chain: Any, sched: Schedule, stage_layers: list[list[in
     from chimera.validation import ConfigError
 
     t = cfg.training
+    if t.offload_pack and any(a.kind.spec.part_of is not None for row in sched.actions for a in row):
+        raise ConfigError(f"--offload-pack {t.offload_pack} streams a stage's weights through one backward, but a split "
+                          "backward (I, then W later) needs them twice: drop --offload-pack or --split-backward")
     if t.memory_per_worker is None:
-        return cfg, lower(sched, Offload(t.offload, t.prefetch))
+        try:
+            return cfg, lower(sched, Offload(t.offload, t.prefetch, t.offload_pack))
+        except ValueError as e:
+            raise ConfigError(f"--offload {t.offload}: {e}") from None
+    try:
+        Offload(t.offload if t.offload != "auto" else "none", t.prefetch).check(sched.stages)
+    except ValueError as e:
+        raise ConfigError(f"--offload {t.offload}: {e}") from None
     policies = OFFLOAD_POLICIES if t.offload == "auto" else (t.offload,)
     try:
         off, lowered, _ = fit_offload(shapes_profile(chain, unit), sched, stage_layers, unit, t.optimizer,
                                       t.recompute, parse_bytes(t.memory_per_worker), policies, t.prefetch,
-                                      exchange=t.device == "cpu")
+                                      exchange=t.device == "cpu", per_stage=t.offload == "auto", pack=t.offload_pack)
     except ValueError as e:
         raise ConfigError(f"--memory-per-worker {t.memory_per_worker}: {e}") from None
-    return cfg.with_flags(offload=off.policy), lowered
+    return cfg.with_flags(offload=off.text), lowered

@@ -14,9 +14,10 @@ Per unit and stage: without recomputation the stash is what the stage's layers s
 Gradient sums: a flat copy of the stage's gradients from the sum's start to the optimizer step, and on gloo
 for a pair of replicas also the peer's bucket, received into a buffer posted when the step starts.
 
-With offload (a schedule lowered with ``Offload``) the device holds no optimizer state, gradients only from a
-backward to their GRAD_OUT (gradient sums then run over host buffers), and, with weights offloaded, a stage's
-weights only from its SWAP_IN to its SWAP_OUT.
+With offload (a schedule lowered with ``Offload``), for every stage by that stage's policy, the device holds no
+optimizer state, gradients only from a backward to their GRAD_OUT (gradient sums then run over host buffers), and,
+with weights offloaded, a stage's weights only from its SWAP_IN to its SWAP_OUT; with weights in packs
+(``Offload.pack``) only during the stage's own forwards and backwards, at most two consecutive packs at once.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from chimera.profile import Profile
-from chimera.schedule import Kind, Offload, Schedule
+from chimera.schedule import Action, Kind, Offload, Schedule
 
 GiB = 2**30
 
@@ -55,10 +56,11 @@ class _Stage:
     full_stash: int  # one unit without recomputation
     msg_in: int  # one unit's received activation
     msg_out: int  # one unit's sent activation
+    pack_peak: int = 0  # weights in packs (Offload.pack): the largest two consecutive packs, on the device together
 
 
 def _stages(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, optimizer: str,
-            recompute: bool) -> list[_Stage]:
+            recompute: bool, pack: int = 0) -> list[_Stage]:
     out = []
     last = len(stage_layers) - 1
     for s, layers in enumerate(stage_layers):
@@ -76,8 +78,11 @@ def _stages(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, 
                 elif j < i:  # both ends here: one parameter, listed in both layers' counts
                     within += nbytes
                     opt_within += lp.optimizer_bytes.get(optimizer, 0) * nbytes // max(1, lp.param_bytes)
+        packs = [sum(profile.layers[i].param_bytes for i in layers[j:j + pack])
+                 for j in range(0, len(layers), pack)] if pack else []
+        peak = max((a + b for a, b in zip(packs, packs[1:])), default=sum(packs))
         out.append(_Stage(params - within, params - within - apart, opt - opt_within, kept, full,
-                          costs[0].input_bytes if s > 0 else 0, costs[-1].output_bytes if s < last else 0))
+                          costs[0].input_bytes if s > 0 else 0, costs[-1].output_bytes if s < last else 0, peak))
     return out
 
 
@@ -119,12 +124,12 @@ class MemoryWalk:
             if kind is Kind.F:  # its output waits to be sent (its received input is now part of the stash)
                 k = slot[(a.pipe, a.stage)]
                 live[k] += a.count
-                states.add((tuple(live), grads, zero, at(k, a.count), zero, flats, resident))
+                states.add((tuple(live), grads, zero, at(k, a.count), zero, flats, resident, at(k, 1)))
             elif kind in (Kind.B, Kind.I):  # the output gradient in, the input gradient out; recomputing, a transient
                 k = slot[(a.pipe, a.stage)]
                 grads = put(grads, k, 1)
                 c = at(k, a.count)
-                states.add((tuple(live), grads, c, c, c, flats, resident))
+                states.add((tuple(live), grads, c, c, c, flats, resident, at(k, 1)))
                 if kind is Kind.B:
                     live[k] -= a.count
             elif kind is Kind.W:  # a split backward's stash lives until its weight gradients are made
@@ -132,16 +137,16 @@ class MemoryWalk:
             elif kind is Kind.ALLREDUCE_START:
                 k = slot[(a.pipe, a.stage)]
                 flats = put(flats, k, 1)
-                states.add((tuple(live), grads, zero, zero, zero, flats, resident))
+                states.add((tuple(live), grads, zero, zero, zero, flats, resident, zero))
             elif kind is Kind.SWAP_IN:
                 resident = put(resident, slot[(a.pipe, a.stage)], 1)
-                states.add((tuple(live), grads, zero, zero, zero, flats, resident))
+                states.add((tuple(live), grads, zero, zero, zero, flats, resident, zero))
             elif kind is Kind.SWAP_OUT:
                 resident = put(resident, slot[(a.pipe, a.stage)], 0)
             elif kind is Kind.GRAD_OUT:
                 grads = put(grads, slot[(a.pipe, a.stage)], 0)
         if not schedule.lowered:  # the step's end: every stage's gradient sum started (a lowered list says when)
-            states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident))
+            states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident, zero))
         return held, groups, _maximal(states)
 
 
@@ -170,38 +175,55 @@ def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[S
     gloo, where a pair of replicas sums gradients by exchanging buckets (the peer's bucket lands in a buffer
     posted at the step's start); ``offload``: the policy the schedule was lowered with.
     """
-    stages = _stages(profile, stage_layers, unit, optimizer, recompute)
-    walk = walk or MemoryWalk(schedule)
     off = offload or Offload()
+    stages = _stages(profile, stage_layers, unit, optimizer, recompute, off.pack)
+    walk = walk or MemoryWalk(schedule)
     return [_worker(held, groups, states, stages, exchange, off) for held, groups, states in walk.workers]
 
 
 def _worker(held: list[int], groups: list[int], states: set[tuple[tuple[int, ...], ...]], stages: list[_Stage],
             exchange: bool, offload: Offload) -> WorkerMemory:
     st = [stages[s] for s in held]
-    opt = 0 if offload.optimizer else sum(x.optimizer for x in st)
-    device_sync = not offload.gradients  # offloaded gradients are summed over host buffers
-    preposted = sum(x.bucket for x, n in zip(st, groups) if exchange and n == 2) if device_sync else 0
+    opt = sum(x.optimizer for s, x in zip(held, st) if not offload.optimizer_at(s))
+    # offloaded gradients are summed over host buffers: no device buffers for that stage's sum
+    device_sync = [not offload.gradients_at(s) for s in held]
+    preposted = sum(x.bucket for x, n, d in zip(st, groups, device_sync) if exchange and n == 2 and d)
     extra = [x.full_stash if x.stash != x.full_stash else 0 for x in st]  # a recomputing backward's transient
     peak, peak_total = WorkerMemory(0, opt, 0, 0, 0, preposted), 0
-    for live, grads, transient, out, inn, flats, resident in states:
-        params = sum(x.params for r, x in zip(resident, st) if r)
+    packed = [offload.packed_at(s) for s in held]
+    for live, grads, transient, out, inn, flats, resident, computing in states:
+        params = sum(x.params if not p else x.pack_peak * c for r, c, x, p in zip(resident, computing, st, packed)
+                     if r or p)
         act = sum(c * x.stash + t * e for c, t, x, e in zip(live, transient, st, extra))
         g = sum(x.params for f, x in zip(grads, st) if f)
         msgs = sum(o * x.msg_out + i * x.msg_in for o, i, x in zip(out, inn, st))
-        sync = preposted + sum(x.bucket for f, x, n in zip(flats, st, groups) if f and n > 1 and device_sync)
+        sync = preposted + sum(x.bucket for f, x, n, d in zip(flats, st, groups, device_sync) if f and n > 1 and d)
         total = params + opt + g + act + msgs + sync
         if total > peak_total:
             peak_total, peak = total, WorkerMemory(params, opt, g, act, msgs, sync)
     return peak
 
 
-def swap_bytes(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]]) -> list[int]:
+def swap_bytes(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]],
+               offload: Offload | None = None, recompute: bool = False) -> list[int]:
     """Bytes every worker of a schedule lowered with offload moves between host and device in a step: a stage's
-    weights per SWAP_IN, its gradients per GRAD_OUT (every parameter of a stage gets a gradient)."""
+    weights per SWAP_IN, its gradients per GRAD_OUT (every parameter of a stage gets a gradient); a stage whose
+    weights move in packs (``offload.pack``) moves them all once per micro-batch of every forward and backward,
+    twice in a recomputing backward (its forward again, then the backward)."""
     stages = _stages(profile, stage_layers, profile.micro_batch_sizes[0], "sgd", False)
+    off = offload or Offload()
+    last = len(stage_layers) - 1
     moving = (Kind.SWAP_IN, Kind.GRAD_OUT)
-    return [sum(stages[a.stage].params for a in row if a.kind in moving) for row in schedule.actions]
+
+    def moved(a: Action) -> int:
+        if a.kind in moving:
+            return stages[a.stage].params
+        if a.kind.is_compute and off.packed_at(a.stage):
+            again = 2 if a.kind is Kind.B and recompute and a.stage < last else 1
+            return stages[a.stage].params * a.count * again
+        return 0
+
+    return [sum(moved(a) for a in row) for row in schedule.actions]
 
 
 def parse_bytes(text: str) -> int:

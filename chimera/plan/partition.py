@@ -90,7 +90,7 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     def evaluate(sizes: list[int]) -> PartitionResult:
         layers = layers_of(sizes)
         mem = worker_memory(profile, timed, layers, unit, optimizer, recompute, exchange, walk, offload)
-        costs = simulator_costs(profile, layers, unit, recompute, schedule, optimizer)
+        costs = simulator_costs(profile, layers, unit, recompute, schedule, optimizer, offload)
         sim = simulate(timed, costs)
         tail = 0.0 if exact else max((costs.stage_value(costs.allreduce, s) for s in range(d)), default=0.0)
         return PartitionResult(list(sizes), float(sim.makespan) + tail, float(sim.bubble), mem)

@@ -5,7 +5,8 @@ with two chunks per worker, Chimera in its three modes), every depth D dividing 
 micro-batch size B with N = G / (B W) micro-batches, and recomputation where memory asks for it. A candidate the
 runtime cannot run, or whose best partition does not fit the memory limit, is kept with the reason; one that does
 not fit is tried again recomputing, then with the optimizer state, the gradients and the weights in host memory
-(offload, its swaps priced with the profile's host <-> device copy). The others
+(offload, its swaps priced with the profile's host <-> device copy), and one that fits only with offload also
+with the least offload per stage that fits (the heaviest stages offloaded first). The others
 are partitioned (``chimera.plan.partition``) and simulated with the profile's costs; a candidate whose lower
 bound (its busiest worker's compute) cannot beat the current top list is not simulated::
 
@@ -16,6 +17,7 @@ bound (its busiest worker's compute) cannot beat the current top list is not sim
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,7 @@ from chimera.plan.memory import WorkerMemory, worker_memory
 from chimera.plan.partition import PartitionResult, plan_partition
 from chimera.profile import Profile
 from chimera.schedule import OFFLOAD_POLICIES, Offload, Schedule, ScheduleConfigError, build_schedule, lower
+from chimera.splits import layers_of
 
 SCHEDULES = (("gpipe", "direct"), ("1f1b", "direct"), ("interleaved", "direct"), ("chimera", "direct"),
              ("chimera", "doubling"), ("chimera", "halving"))
@@ -175,10 +178,11 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
         if ev.reason is not None:
             result.infeasible.append(ev)
             continue
-        result.ranked.append(ev)
-        heapq.heappush(best, -ev.step_s)  # type: ignore[operator]
-        if len(best) > top:
-            heapq.heappop(best)
+        for fit in [ev, *_per_stage(profile, ev, _schedule(c, built), memory_limit, optimizer, exchange)]:
+            result.ranked.append(fit)
+            heapq.heappush(best, -fit.step_s)  # type: ignore[operator]
+            if len(best) > top:
+                heapq.heappop(best)
     result.ranked.sort(key=lambda e: e.step_s)  # type: ignore[arg-type,return-value]
     head = [_evaluate(profile, e.candidate, _schedule(e.candidate, built), memory_limit, optimizer, exchange,
                       rounds=4) for e in result.ranked[:refine]]
@@ -223,26 +227,98 @@ def _evaluate(profile: Profile, c: Candidate, sched: Schedule, memory_limit: int
                      exact=exact)
 
 
+def _per_stage(profile: Profile, ev: Evaluated, sched: Schedule, memory_limit: int | None, optimizer: str,
+               exchange: bool) -> list[Evaluated]:
+    """A candidate that fits only with offload, again with the least offload per stage that fits on its partition
+    (heaviest stages offloaded first; :func:`fit_offload`), when that differs from offloading every stage; [] if
+    it does not, or does not fit once its partition is searched again."""
+    c = ev.candidate
+    if memory_limit is None or c.offload == "none" or "," in c.offload or ev.partition is None:
+        return []
+    upto = OFFLOAD_POLICIES[:OFFLOAD_POLICIES.index(c.offload) + 1]
+    off, _, _ = fit_offload(profile, sched.compute_only(), layers_of(ev.partition), c.unit, optimizer, c.recompute,
+                            memory_limit, upto, exchange=exchange, per_stage=True)
+    if off.text == c.offload:
+        return []
+    mixed = _evaluate(profile, Candidate(**{**c.flags(), "offload": off.text}), sched, memory_limit, optimizer,
+                      exchange, rounds=0, exact=False)
+    return [mixed] if mixed.reason is None else []
+
+
 def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
                 optimizer: str, recompute: bool, budget: int, policies: Sequence[str] = OFFLOAD_POLICIES,
-                prefetch: int = 1, exchange: bool = True) -> tuple[Offload, Schedule, list[WorkerMemory]]:
+                prefetch: int = 1, exchange: bool = True, per_stage: bool = False, pack: int = 0
+                ) -> tuple[Offload, Schedule, list[WorkerMemory]]:
     """The first of ``policies`` (least offload first) whose every worker fits ``budget`` bytes, the compute-only
     ``schedule`` lowered with it, and the workers' peaks; ValueError naming the bytes needed against the budget
-    and what to change when none fits."""
+    and what to change when none fits. ``per_stage``: then the least offload per stage that fits (each worker
+    by the policies of the stages it holds, none above the first uniform policy that fits; see
+    :func:`_least_per_stage`). ``pack``: stages offloading weights move them in packs of that many layers."""
     tried = []
-    for policy in policies:
-        off = Offload(policy, prefetch)
+    for k, policy in enumerate(policies):
+        off = Offload(policy, prefetch, pack)
         lowered = lower(schedule, off)
         mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off)
         w = max(range(len(mem)), key=lambda i: mem[i].total)
         if mem[w].total <= budget:
+            if per_stage and k > 0:
+                return _least_per_stage(profile, schedule, stage_layers, unit, optimizer, recompute, budget,
+                                        policies[:k + 1], prefetch, exchange, pack)
             return off, lowered, mem
         m = mem[w]
         tried.append(f"--offload {policy}: {m.total} bytes ({m.total / 2**20:.1f} MiB) on worker {w}: parameters "
                      f"{m.params}, optimizer state {m.optimizer}, gradients {m.grads}, activations {m.activations}, "
                      f"messages {m.messages}, gradient sums {m.sync}")
     more = [p for p in OFFLOAD_POLICIES[OFFLOAD_POLICIES.index(policies[-1]) + 1:]]
-    hint = f"--offload {more[-1]} or auto, " if more else ""
+    hint = f"--offload {more[-1]} or auto, " if more else ("--offload-pack 1 (weights in packs of layers), "
+                                                          if not pack else "a smaller --offload-pack, ")
     raise ValueError(f"the configuration needs more than the budget of {budget} bytes ({budget / 2**20:.1f} MiB) per "
                      f"worker: {'; '.join(tried)}. Change: {hint}more stages (--stages), --recompute, a smaller "
                      "--micro-batch-size or --prefetch, or a larger --memory-per-worker")
+
+
+def _least_per_stage(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
+                     optimizer: str, recompute: bool, budget: int, policies: Sequence[str], prefetch: int,
+                     exchange: bool, pack: int = 0) -> tuple[Offload, Schedule, list[WorkerMemory]]:
+    """The least per-stage offload that fits, given that ``policies[-1]`` for every stage fits.
+
+    A worker's memory depends only on the policies of the stages it holds, so stages are grouped by the workers
+    that share them (a Chimera worker holds stage i and D-1-i) and every group takes the first combination that
+    fits its workers, in order of total offload, the heaviest stages offloaded first among equals. Groups are
+    priced together (one lowering per round), and a group of more than three stages tries uniform levels only,
+    so the search takes at most ``len(policies) ** 3`` rounds."""
+    d = schedule.stages
+    parent = list(range(d))
+
+    def root(s: int) -> int:
+        while parent[s] != s:
+            s = parent[s]
+        return s
+
+    holders = [[s for _, s in schedule.stages_of(w)] for w in range(schedule.workers)]
+    for held in holders:
+        for s in held[1:]:
+            parent[root(s)] = root(held[0])
+    groups = [[s for s in range(d) if root(s) == r] for r in sorted({root(s) for s in range(d)})]
+    weight = [sum(profile.layers[i].param_bytes for i in layers) for layers in stage_layers]
+    top = len(policies) - 1
+    orders = []
+    for g in groups:
+        heavy = sorted(g, key=lambda s: -weight[s])
+        combos = (itertools.product(range(top + 1), repeat=len(g)) if len(g) <= 3
+                  else ((k,) * len(g) for k in range(top + 1)))
+        orders.append(sorted((dict(zip(g, c)) for c in combos),
+                             key=lambda c: (sum(c.values()), [-c[s] for s in heavy])))
+    chosen: dict[int, dict[int, int]] = {}
+    for j in range(max(len(o) for o in orders)):
+        levels = {s: lv for gi, o in enumerate(orders) for s, lv in chosen.get(gi, o[min(j, len(o) - 1)]).items()}
+        off = Offload(tuple(policies[levels[s]] for s in range(d)), prefetch, pack)
+        lowered = lower(schedule, off)
+        mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off)
+        for gi, g in enumerate(groups):
+            if gi not in chosen and all(mem[w].total <= budget for w, held in enumerate(holders) if held[0] in g):
+                chosen[gi] = {s: levels[s] for s in g}
+        if len(chosen) == len(groups):
+            uniform = {off.policies[0]} == set(off.policies)
+            return (Offload(off.policies[0], prefetch, pack) if uniform else off), lowered, mem
+    raise AssertionError("the uniform policy fits, so every group fits by its last combination")  # pragma: no cover

@@ -131,6 +131,8 @@ class StageCompute:
             slot = Slot(a.pipe, a.stage, mb)
             saved = st.stash.pop(slot)
             out = saved.output if saved.output is not None else self._recompute(mod, saved)
+            if self.store:  # weights in packs: the last one in before the backward
+                self.store.backward_packs((a.pipe, a.stage))
             if mod.is_last:
                 outs, out_grads = [out * self.loss_scale], None
             else:
@@ -140,6 +142,8 @@ class StageCompute:
                 torch.autograd.backward(outs, out_grads)
             else:
                 st.wkeep[slot] = self._input_gradients(mod, saved, outs, out_grads)
+            if self.store:
+                self.store.release_packs((a.pipe, a.stage))
             if not mod.is_first:
                 sent.append(tuple(t.grad if t.grad is not None else torch.zeros_like(t)
                                   for t, s in zip(saved.inputs, in_specs) if s.requires_grad))

@@ -6,14 +6,14 @@ backwards including the tensors autograd saved, messages waiting or in flight, g
 storage counted once, in the first category that holds it. The step's peak and its breakdown go into the
 step's result; the memory model (``chimera.plan.memory``) is checked against it.
 
-With ``--offload`` what the host store keeps (weights, gradient sums, the optimizer state, gradient sums in
-progress over host buffers) is host memory: reported as ``host``, outside the device total that
+With ``--offload`` what the host store keeps for the offloaded stages (weights, gradient sums, the optimizer
+state, gradient sums in progress over host buffers) is host memory: reported as ``host``, outside the device total that
 ``--memory-per-worker`` bounds (the worker checks the peak against it after every step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -40,12 +40,14 @@ class MemoryLedger:
         seen: set[int] = set()
         stages, host = self.stages, self.stages.host
         sync = [t for b in stages.buckets.values() for t in b.held()]
-        on_host = [*host.held(), *_state_tensors(stages.optimizer)] if host else []
-        if host and host.offload.gradients:
-            on_host += sync
+        on_host = []
+        if host:  # per stage: what its policy keeps on the host (the optimizer state of host copies, host sums)
+            on_host = [*host.held(), *_state_tensors(stages.optimizer, host.is_host)]
+            on_host += [t for (_, s), b in stages.buckets.items() if host.offload.gradients_at(s) for t in b.held()]
         host_bytes = _bytes(on_host, seen)
         counts = {
-            "params": _bytes(stages.device_params, seen),
+            # weights in packs: the most held at once during the action (released by its end)
+            "params": _bytes(stages.device_params, seen) + (host.transient_peak() if host else 0),
             "optimizer": _bytes(_state_tensors(stages.optimizer), seen),
             "grads": _bytes((p.grad for p in stages.device_params if p.grad is not None), seen),
             "activations": _bytes(_stash_tensors(st), seen),
@@ -62,8 +64,11 @@ def _tuples(values: Iterable[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
     return [t for ts in values for t in ts]
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+def _state_tensors(optimizer: torch.optim.Optimizer, of: Callable[[torch.Tensor], bool] | None = None
+                   ) -> list[torch.Tensor]:
+    """The optimizer's state tensors (``of``: only those of the parameters it accepts)."""
+    return [v for p, state in optimizer.state.items() if of is None or of(p) for v in state.values()
+            if isinstance(v, torch.Tensor)]
 
 
 def _stash_tensors(st: StepState) -> list[torch.Tensor]:

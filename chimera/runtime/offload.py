@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from chimera.runtime.packs import PackStream
 from chimera.schedule import Offload
 
 StageKey = tuple[str, int]
@@ -40,14 +41,15 @@ class WeightRef(NamedTuple):
 
 
 class HostStore:
-    """Host copies of one worker's stage replicas and the swaps between them and the device (module docstring)."""
+    """Host copies of one worker's offloaded stage replicas (``modules``: those whose stage's policy offloads)
+    and the swaps between them and the device (module docstring)."""
 
     def __init__(self, modules: dict[StageKey, nn.Module], offload: Offload, device: torch.device) -> None:
         self.offload = offload
         self.device = device
         self.cuda = device.type == "cuda"
         self.params: dict[StageKey, list[nn.Parameter]] = {}
-        self.host: dict[int, nn.Parameter] = {}
+        self.host: dict[int, nn.Parameter] = {}  # id of a device parameter -> its host copy
         for key, mod in modules.items():
             unique = list(dict.fromkeys(mod.parameters()))
             self.params[key] = unique
@@ -58,15 +60,37 @@ class HostStore:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.ready: dict[StageKey, Any] = {}
         self.resident: dict[int, nn.Parameter] = {}  # storage address of a device weight -> its parameter
+        self.copies = {id(h) for h in self.host.values()}
         self.moved = 0  # bytes moved between host and device in this step
-        if offload.weights:
-            for key in self.params:
+        for key in self.params:
+            if offload.weights_at(key[1]):
                 self.swap_out(key)
         self.moved = 0
+        # weights in packs: streamed inside the stage's forwards and backwards (chimera.runtime.packs)
+        self.packs = {key: PackStream(self, key, mod, offload.pack) for key, mod in modules.items()
+                      if offload.packed_at(key[1])}
+
+    def transient_peak(self) -> int:
+        """Device bytes of packs held at once since the last call (inside compute actions), then reset."""
+        return sum(stream.take_peak() for stream in self.packs.values())
+
+    def backward_packs(self, key: StageKey) -> None:
+        """Before a backward of ``key``: its last pack in (and the one before it prefetched), if it streams."""
+        if key in self.packs:
+            self.packs[key].start_backward()
+
+    def release_packs(self, key: StageKey) -> None:
+        """After a forward or backward of ``key``: release its packs, if it streams."""
+        if key in self.packs:
+            self.packs[key].release_all()
 
     def home(self, p: nn.Parameter) -> nn.Parameter:
-        """The host copy of device parameter ``p``."""
-        return self.host[id(p)]
+        """The host copy of device parameter ``p`` (``p`` itself when its stage keeps it on the device)."""
+        return self.host.get(id(p), p)
+
+    def is_host(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of the store's host copies."""
+        return id(p) in self.copies
 
     def start_step(self) -> None:
         self.moved = 0
@@ -74,26 +98,34 @@ class HostStore:
     # -- the swap actions ------------------------------------------------------------------------------
     def swap_in(self, key: StageKey) -> None:
         """Host -> device weights of stage replica ``key`` (into the resident copy, or a new one)."""
+        self.copy_in(self.params[key], key)
+
+    def copy_in(self, params: list[nn.Parameter], ready: Any) -> int:
+        """Host -> device copies of ``params`` (on GPU on the copy stream, whose event :meth:`wait` with ``ready``
+        makes the compute stream wait for); returns the bytes moved."""
         stream = self.copy_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the step may still use the old copy
+        moved = 0
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for p in self.params[key]:
+            for p in params:
                 h = self.host[id(p)]
                 if p.data.numel() == 0:
                     p.data = h.detach().to(self.device, non_blocking=True, copy=True)
                     self.resident[p.data.untyped_storage().data_ptr()] = p
                 else:
                     p.data.copy_(h.detach(), non_blocking=True)
-                self.moved += h.numel() * h.element_size()
+                moved += h.numel() * h.element_size()
+        self.moved += moved
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
-            self.ready[key] = event
-            for p in self.params[key]:
+            self.ready[ready] = event
+            for p in params:
                 p.data.record_stream(torch.cuda.current_stream(self.device))
+        return moved
 
-    def wait(self, key: StageKey) -> None:
+    def wait(self, key: Any) -> None:
         """Make the compute stream wait for the swap-in of ``key`` (GPU; nothing on CPU)."""
         event = self.ready.pop(key, None)
         if event is not None:
@@ -101,7 +133,11 @@ class HostStore:
 
     def swap_out(self, key: StageKey) -> None:
         """Release the device copy of ``key``'s weights (the host copy is current)."""
-        for p in self.params[key]:
+        self.release(self.params[key])
+
+    def release(self, params: list[nn.Parameter]) -> None:
+        """Release the device copies of ``params``."""
+        for p in params:
             self.resident.pop(p.data.untyped_storage().data_ptr(), None)
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
 

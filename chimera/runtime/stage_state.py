@@ -40,20 +40,21 @@ class StageState:
         cfg, sched = job.cfg.training, job.schedule
         self.comm = comm
         self.device = device
-        offload = Offload(cfg.offload, cfg.prefetch) if cfg.offload != "none" else Offload()
+        offload = Offload(cfg.offload, cfg.prefetch, cfg.offload_pack)
         # weights offloaded: built in host memory, never whole on the device (the store releases them there)
-        built_on = torch.device("cpu") if offload.weights else device
         self.modules: dict[StageKey, StageModule] = {
-            (pipe, s): build_stage(job.chain, job.stage_layers[s], cfg.seed, device=built_on)
+            (pipe, s): build_stage(job.chain, job.stage_layers[s], cfg.seed,
+                                   device=torch.device("cpu") if offload.weights_at(s) else device)
             for pipe, s in sched.stages_of(worker)}
-        # offloaded: the host store holds the current weights (the optimizer steps them) and, where gradients
-        # are offloaded, their sums; ``home``/``grad_home`` map a device parameter to where that lives
-        self.host = HostStore(self.modules, offload, device) if offload.optimizer else None
-        if built_on != device:
-            for mod in self.modules.values():
+        # offloaded (per stage, by its policy): the host store holds the current weights (the optimizer steps
+        # them) and, where gradients are offloaded, their sums; ``home`` maps a device parameter to where that
+        # lives (itself for a stage kept on the device)
+        offloaded = {k: m for k, m in self.modules.items() if offload.optimizer_at(k[1])}
+        self.host = HostStore(offloaded, offload, device) if offloaded else None
+        for (_, s), mod in self.modules.items():
+            if offload.weights_at(s):
                 mod.to(device)  # buffers; the parameters are empty until swapped in
         home = self.host.home if self.host else _same
-        grad_home = home if offload.gradients else _same
         self.device_params = _unique(p for mod in self.modules.values() for p in mod.parameters())
         self.tied: list[torch.nn.Parameter] = []
         if comm.tied_group is not None:
@@ -66,6 +67,7 @@ class StageState:
         self.buckets: dict[StageKey, GradBuckets] = {}
         for (pipe, s), mod in self.modules.items():
             if s in comm.stage_groups:
+                grad_home = home if offload.gradients_at(s) else _same
                 params = [grad_home(p) for p in _unique(mod.parameters()) if id(home(p)) not in tied_ids]
                 self.buckets[(pipe, s)] = GradBuckets(params, comm.stage_groups[s], comm, sched.stage_group(s))
         self.params = [home(p) for p in self.device_params]
@@ -105,7 +107,7 @@ class StageState:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.tied:  # (offloaded: the sums travel through the device, where the process group works)
-            total = torch.stack([p.grad for p in self.tied]).sum(0).to(self.device)
+            total = torch.stack([p.grad.to(self.device) for p in self.tied]).sum(0)
             total = self.comm.allreduce(total, self.comm.tied_group, f"tied-weight gradient sum in step {step}")
             for p in self.tied:
                 p.grad.copy_(total)
