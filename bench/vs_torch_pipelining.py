@@ -48,14 +48,19 @@ CHIMERA_SCHEDULES = ["chimera", "1f1b", "gpipe", "auto"]
 PAIR = 2  # steps per row and repetition, back to back; the second one is timed (steady state)
 
 
-def rows_of(w: Workload) -> list[dict[str, Any]]:
-    """Every (system, schedule) row of workload ``w``; infeasible ones carry a ``note`` and no timings."""
+def rows_of(w: Workload, only: set[str] | None = None) -> list[dict[str, Any]]:
+    """Every (system, schedule) row of workload ``w`` (``only``: those schedule names, and torch.pp's 1F1B, the
+    reference of every ratio); infeasible ones carry a ``note`` and no timings."""
     rows = []
     for name, ts in TORCH_SCHEDULES.items():
+        if only is not None and name not in only | {"1f1b"}:
+            continue
         why = ts.feasible(w.stages, w.micro_batches, w.build(w.stages * ts.per_rank).num_layers)
         split = f"{w.stages * ts.per_rank} ({ts.per_rank}/rank{', V' if ts.style == 'v' and ts.per_rank == 2 else ''})"
         rows.append({"system": "torch.pp", "schedule": name, "split": split, "note": why or ""})
     for name in CHIMERA_SCHEDULES:
+        if only is not None and name not in only:
+            continue
         split = f"{w.stages} (2/rank, replicas)" if name == "chimera" else f"{w.stages} (1/rank)"
         rows.append({"system": "chimera", "schedule": name, "split": split, "note": ""})
     for r in rows:
@@ -63,9 +68,10 @@ def rows_of(w: Workload) -> list[dict[str, Any]]:
     return rows
 
 
-def run_workload(w: Workload, reps: int, warmup: int, log: Any) -> list[dict[str, Any]]:
+def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] | None = None
+                 ) -> list[dict[str, Any]]:
     """Start both systems for ``w``, alternate steps over the rows, return the rows with their times."""
-    rows = rows_of(w)
+    rows = rows_of(w, only)
     live = [r for r in rows if not r["note"]]
     torch_names = [r["schedule"] for r in live if r["system"] == "torch.pp"]
     t_start = time.perf_counter()
@@ -126,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="discarded repetitions per row")
     ap.add_argument("--quick", action="store_true", help="one measured repetition (and one warm-up) per row")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {', '.join(WORKLOADS)}")
+    ap.add_argument("--schedules", default=None,
+                    help="only these schedules, comma-separated (both systems; torch.pp 1f1b always runs: the reference)")
     ap.add_argument("--tf", type=float, default=None, help="delay model forward seconds per stage (default 0.05)")
     ap.add_argument("--json", default=None, help="write the rows as a JSON list to this path")
     ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")),
@@ -136,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
     reps, warmup = (1, 1) if args.quick else (args.reps, args.warmup)
+    only = {x.strip() for x in args.schedules.split(",") if x.strip()} if args.schedules else None
+    if only is not None and not only <= {*TORCH_SCHEDULES, *CHIMERA_SCHEDULES}:
+        ap.error(f"unknown schedule(s) {sorted(only - {*TORCH_SCHEDULES, *CHIMERA_SCHEDULES})}; known: "
+                 f"{', '.join(sorted({*TORCH_SCHEDULES, *CHIMERA_SCHEDULES}))}")
     workloads = [WORKLOADS[n] for n in names]
     if args.tf is not None:
         from dataclasses import replace
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         for w in workloads:
-            rows = run_workload(w, reps, warmup, log)
+            rows = run_workload(w, reps, warmup, log, only)
             finish(rows, w)
             all_rows.extend(rows)
     finally:
