@@ -179,6 +179,10 @@ class TrainConfig:
         ``chain``/``data``: a user's model and data instead of the preset named by ``model.name``.
         """
         _check_fields(self)
+        if self.training.memory_per_worker == "device":
+            from chimera.plan.fit import device_budget
+
+            return device_budget(self).check(chain, data)
         if chain is None and self.schedule.name == "auto":
             chain = self.preset_chain()  # auto simulates with the model's costs
         sched, cfg, choice = _schedule(self, chain)  # cfg: self, or for auto the config of the chosen schedule
@@ -305,7 +309,7 @@ def _check_fields(cfg: TrainConfig) -> None:
     _need(all(p.strip() in ("none", "optimizer") for p in t.offload.split(",")) or t.device == "cpu",
           f"--offload {t.offload} sums offloaded gradients over host buffers, which NCCL cannot do yet: use --offload "
           "optimizer on --device cuda")
-    if t.memory_per_worker is not None:
+    if t.memory_per_worker not in (None, "device"):
         from chimera.plan.memory import parse_bytes
 
         try:

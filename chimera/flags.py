@@ -60,8 +60,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="seconds any blocking wait may take before the run fails")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
     p.add_argument("--memory-per-worker", default=None,
-                   help="device memory budget per worker, e.g. 16GiB: the planner's limit, checked before the run "
-                        "starts and by the runtime after every step")
+                   help="device memory budget per worker, e.g. 16GiB, or 'device' (the GPU's free memory; on CPU this "
+                        "machine's available memory / workers): the planner's limit, checked before the run starts "
+                        "and by the runtime after every step")
     p.add_argument("--offload", default=t.offload,
                    help=f"one of {', '.join((*OFFLOAD_POLICIES, 'auto'))}, or a comma list with one policy per stage "
                         "(e.g. everything,optimizer,none,none): keep in host memory the optimizer state (optimizer), "

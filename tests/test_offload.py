@@ -238,3 +238,14 @@ def test_split_backward_with_weights_offloaded_matches_the_reference():
     assert max((got[k] - ref.params[k]).abs().max().item() for k in got) <= 1e-5
     with pytest.raises(ConfigError, match="--offload-pack 1 .* split"):
         cfg.with_flags(offload_pack=1).check()
+
+
+def test_budget_from_the_device():
+    """--memory-per-worker device: on CPU this machine's available memory shared by the workers, resolved in the
+    check (the workers get bytes)."""
+    import psutil
+
+    job = TrainConfig.from_flags(model="gpt2-tiny", corpus="synthetic", seq_len=16, micro_batch_size=2, stages=2,
+                                 micro_batches=2, steps=1, memory_per_worker="device").check()
+    budget = int(job.cfg.training.memory_per_worker)
+    assert 0.8 < budget / (psutil.virtual_memory().available // 2) < 1.25

@@ -31,7 +31,7 @@ def available_per_worker(cfg: Any, world: int) -> tuple[int, str] | None:
     """(bytes, where from) one worker may use: ``--memory-per-worker``, else the free memory of the visible GPU
     (``--device cuda``) or this machine's available memory shared by ``world`` workers; None when unknown."""
     t = cfg.training
-    if t.memory_per_worker:
+    if t.memory_per_worker and t.memory_per_worker != "device":
         return parse_bytes(t.memory_per_worker), f"--memory-per-worker {t.memory_per_worker}"
     if t.device == "cuda":
         if not torch.cuda.is_available():
@@ -42,6 +42,21 @@ def available_per_worker(cfg: Any, world: int) -> tuple[int, str] | None:
 
     avail = psutil.virtual_memory().available
     return avail // max(1, world), f"{avail / GiB:.1f} GiB available on this machine / {world} workers"
+
+
+def device_budget(cfg: Any) -> Any:
+    """``cfg`` with ``--memory-per-worker device`` replaced by the bytes a worker has (:func:`available_per_worker`:
+    the visible GPU's free memory, or this machine's available memory shared by the job's workers)."""
+    from chimera.validation import ConfigError
+
+    if cfg.training.memory_per_worker != "device":
+        return cfg
+    s = cfg.schedule
+    have = available_per_worker(cfg, s.stages * s.data_parallel)
+    if have is None:
+        raise ConfigError("--memory-per-worker device: no GPU is visible here to read its memory from; give the "
+                          "budget in bytes (e.g. 70GiB)")
+    return cfg.with_flags(memory_per_worker=str(have[0]))
 
 
 def check_fits(cfg: Any, chain: Any, schedule: Schedule, stage_layers: Sequence[Sequence[int]]) -> WorkerMemory:
