@@ -216,7 +216,9 @@ class TrainConfig:
         from chimera.plan.fit import fit_budget
 
         cfg, lowered = fit_budget(cfg, chain, sched, stage_layers, unit)
-        return _check_checkpoints(Job(cfg, chain, data, validate(lowered), stage_layers, boundaries, prediction,
+        from chimera.runtime.checkpoint import check_checkpoints
+
+        return check_checkpoints(Job(cfg, chain, data, validate(lowered), stage_layers, boundaries, prediction,
                                       choice))
 
 
@@ -346,24 +348,6 @@ def _check_memory(cfg: TrainConfig, chain: LayerChain, sched: Any) -> None:
     except ValueError as e:
         if str(e).startswith("--micro-batch-size"):
             raise ConfigError(str(e)) from None
-
-
-def _check_checkpoints(job: Job) -> Job:
-    """Make the checkpoint paths absolute (workers may run elsewhere) and check a checkpoint to resume from."""
-    t = job.cfg.training
-    if t.checkpoint_dir is None and t.resume is None:
-        return job
-    from chimera.runtime.checkpoint import CheckpointError, resume_point
-
-    ckpt = os.path.abspath(t.checkpoint_dir) if t.checkpoint_dir else None
-    cfg = dataclasses.replace(job.cfg, training=dataclasses.replace(t, checkpoint_dir=ckpt))
-    job = dataclasses.replace(job, cfg=cfg)
-    if t.resume is None:
-        return job
-    try:
-        return dataclasses.replace(job, resume=resume_point(job, t.resume))
-    except CheckpointError as e:
-        raise ConfigError(f"--resume {t.resume}: {e}") from None
 
 
 def _preset_chain(m: ModelConfig) -> LayerChain:

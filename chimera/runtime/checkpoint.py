@@ -310,3 +310,23 @@ class Checkpointer:
         """Wait for a write in progress (errors are not raised again here)."""
         with contextlib.suppress(Exception):
             self.wait()
+
+
+def check_checkpoints(job: Any) -> Any:
+    """Make the checkpoint paths absolute (workers may run elsewhere) and check a checkpoint to resume from."""
+    t = job.cfg.training
+    if t.checkpoint_dir is None and t.resume is None:
+        return job
+    import dataclasses
+
+    from chimera.validation import ConfigError
+
+    ckpt = os.path.abspath(t.checkpoint_dir) if t.checkpoint_dir else None
+    cfg = dataclasses.replace(job.cfg, training=dataclasses.replace(t, checkpoint_dir=ckpt))
+    job = dataclasses.replace(job, cfg=cfg)
+    if t.resume is None:
+        return job
+    try:
+        return dataclasses.replace(job, resume=resume_point(job, t.resume))
+    except CheckpointError as e:
+        raise ConfigError(f"--resume {t.resume}: {e}") from None
