@@ -2,8 +2,10 @@
 
 1. ``accuracy``: BERT-tiny and GPT-2-tiny at D = 2 (two workers on the two cores, one thread each). The model is
    profiled as the workers run it (one thread, the unit sizes asked), the planner ranks the configurations for
-   2 workers and a global batch, and the best few and the uniform-partition variants are trained with
-   ``run_local``; measured = median of the workers' step time (max over ranks) over steps 2..n.
+   2 workers and a global batch, and the best four are trained with ``run_local``; measured = median of the
+   workers' step time (max over ranks) over steps 2..n. The machine's speed drifts (up to 1.5x within minutes
+   on a small virtual machine), so profiling and training alternate in ``--rounds`` rounds and each side is
+   the median over rounds of its own measurements.
 2. ``heavy``: a chain of sleeping layers, one of them five times heavier: the planned partition against the
    uniform one (1F1B, D = 2): measured margin vs the simulator's predicted margin. Sleeping layers make the
    step independent of how the two cores are shared.
@@ -12,7 +14,7 @@
 4. ``default``: the default job (BERT-mini, Chimera, D = N = 4) on Ray with the uniform and the planned
    partition: measured utilization (1 - bubble, from the runtime's own timeline) and the simulated ideal.
 
-Usage: python bench/plan_accuracy.py [--parts accuracy,heavy,breakdown,default] [--steps 6] [--reps 5]
+Usage: python bench/plan_accuracy.py [--parts accuracy,heavy,breakdown,default] [--steps 6] [--reps 5] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -46,22 +48,42 @@ def measured_step(cfg: TrainConfig) -> float:
     return statistics.median(m["step_time_s"] for m in res.metrics[2:])
 
 
-def accuracy(steps: int, reps: int) -> list[str]:
-    rows = ["| model | schedule | D | W | B | N | partition | predicted s | measured s | measured / predicted |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+def predicted_step(prof: Any, cfg: TrainConfig) -> float:
+    """The simulator's step for exactly this configuration (schedule, partition, optimizer) under ``prof``."""
+    job = cfg.check()
+    return float(simulate(job.schedule, simulator_costs(prof, job.stage_layers, job.unit_size,
+                                                        job.cfg.training.recompute, job.schedule,
+                                                        job.cfg.training.optimizer)).makespan)
+
+
+def accuracy(steps: int, reps: int, rounds: int) -> list[str]:
+    """Predicted vs measured for the planner's best four configurations per model, in ``rounds`` interleaved
+    rounds: each round profiles the model again and then trains every configuration once, so the prediction
+    and the measurement of a round are taken minutes apart at most; the table gives medians over rounds."""
+    rows = ["| model | schedule | D | W | B | N | partition | predicted s (median) | measured s (median) | "
+            "measured / predicted | per-round ratios |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     comm = measure_comm_local(2)
     for name in ("bert-tiny", "gpt2-tiny"):
         chain = build_model(name, seq_len=64)
-        prof = profile_chain(chain, [2, 4, 8], reps=reps, warmup=2, threads=1, comm=comm, concurrent=2)
-        result = plan(prof, 2, global_batch=32, optimizer="adamw", top=4)
         base = TrainConfig.from_flags(model=name, seq_len=64, corpus="synthetic", optimizer="adamw", steps=steps,
                                       threads=1, clip_grad=0.0)
-        for e in result.ranked[:4]:
-            flags = plan_flags(e)
-            measured = measured_step(base.with_flags(**flags))
-            rows.append(f"| {name} | {e.candidate.label} | {e.candidate.stages} | {e.candidate.data_parallel} | "
-                        f"{e.candidate.micro_batch_size} | {e.candidate.micro_batches} | {flags.get('partition')} | "
-                        f"{e.step_s:.4f} | {measured:.4f} | {measured / e.step_s:.3f} |")
+        chosen: list[tuple[Any, TrainConfig]] = []
+        pred: dict[int, list[float]] = {}
+        meas: dict[int, list[float]] = {}
+        for r in range(rounds):
+            prof = profile_chain(chain, [2, 4, 8], reps=reps, warmup=2, threads=1, comm=comm, concurrent=2)
+            if not chosen:
+                chosen = [(e, base.with_flags(**plan_flags(e))) for e in
+                          plan(prof, 2, global_batch=32, optimizer="adamw", top=4).ranked[:4]]
+            for k, (_, cfg) in enumerate(chosen):
+                pred.setdefault(k, []).append(predicted_step(prof, cfg))
+                meas.setdefault(k, []).append(measured_step(cfg))
+                print(f"  round {r} {name} #{k}: predicted {pred[k][-1]:.4f} measured {meas[k][-1]:.4f}", flush=True)
+        for k, (e, cfg) in enumerate(chosen):
+            c, p, m = e.candidate, statistics.median(pred[k]), statistics.median(meas[k])
+            per = ", ".join(f"{b / a:.2f}" for a, b in zip(pred[k], meas[k]))
+            rows.append(f"| {name} | {c.label} | {c.stages} | {c.data_parallel} | {c.micro_batch_size} | "
+                        f"{c.micro_batches} | {cfg.model.partition} | {p:.4f} | {m:.4f} | {m / p:.3f} | {per} |")
             print(rows[-1], flush=True)
     return rows
 
@@ -177,11 +199,12 @@ def main() -> None:
     ap.add_argument("--parts", default="accuracy,heavy,breakdown,default")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3, help="accuracy: interleaved profile + measure rounds")
     args = ap.parse_args()
     parts = args.parts.split(",")
     if "accuracy" in parts:
-        print("\n".join(["## predicted vs measured (run_local, 2 workers, 1 thread each)", *accuracy(args.steps,
-                                                                                                 args.reps)]))
+        print("\n".join(["## predicted vs measured (run_local, 2 workers, 1 thread each)", *accuracy(args.steps, args.reps,
+                                                                                                 args.rounds)]))
     if "heavy" in parts:
         print("\n".join(["## one heavy layer: planned vs uniform partition", *heavy(args.steps, args.reps)]))
     if "breakdown" in parts:

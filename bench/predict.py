@@ -2,9 +2,9 @@
 
 Delay model: ``simulate(schedule, delay_costs(tf, D)).makespan``: F = tf, input gradient tf, weight gradient tf
 (a whole backward 2·tf), except that the first stage's input gradient is nothing and its weight gradient both
-(its inputs need no gradient); tf/2 per stage for torch's Interleaved1F1B over the 2·D-stage split, scheduled by
-chimera's interleaved generator, which follows torch's order. Chimera rows simulate the schedule the job runs
-(``auto``: the one it chose). No communication or optimizer cost is modelled.
+(its inputs need no gradient); tf/2 per stage for a schedule over the 2·D-stage split (torch's Interleaved1F1B,
+scheduled by chimera's interleaved generator, which follows torch's order; chimera's BitPipe). Chimera rows
+simulate the schedule the job runs (``auto``: the one it chose). No communication or optimizer cost is modelled.
 
 No prediction (None) for torch's DualPipeV, ZBVZeroBubble, InterleavedZeroBubble and LoopedBFS (no chimera
 generator follows their order) and for the real-model rows: one-thread stage
@@ -29,7 +29,7 @@ def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | 
         return None
     assert w.tf is not None
     interleaved = system == "torch.pp" and schedule == "interleaved1f1b"
-    tf = w.tf / 2 if interleaved else w.tf
     if sched is None:
         sched = build_schedule("interleaved" if interleaved else schedule, w.stages, w.micro_batches, chunks=2)
+    tf = w.tf * w.stages / sched.stages  # a schedule of 2·D stages runs D ranks' work in halves
     return float(simulate(sched.compute_only(), delay_costs(tf, sched.stages)).makespan)

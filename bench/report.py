@@ -77,7 +77,8 @@ def write_results(path: Path, command: str, workloads: list[Workload], reps: int
             "queued on the actors while the first runs, as `ray_launch.driver.run` trains). One thread "
             "per worker on both sides, and the same CPU allocator setting (chimera's `keep_freed_memory`: freed "
             "memory stays on the heap) in chimera's workers and torch.pp's processes. chimera's `auto` row is "
-            "labelled with the schedule it chose. Peak RSS: the largest VmHWM among a row's workers (the torch.pp processes "
+            "labelled with the schedule it chose; on the delay model it runs the split into 2·D blocks of tf/2 "
+            "(the split of torch.pp's two-stages-per-rank rows), so that it can choose 2·D-stage schedules too. Peak RSS: the largest VmHWM among a row's workers (the torch.pp processes "
             "host all seven torch schedules of a workload, so their rows share one figure).\n\n"
             f"{table}\n\nTargets:\n\n" + "\n".join(checks) + "\n" + (f"\n{notes}\n" if notes else ""))
     text = path.read_text() if path.exists() else "# Benchmark results\n"

@@ -28,7 +28,7 @@ def test_vs_torch_pipelining_smoke(tmp_path):
     rows = json.loads(out.read_text())
     got = {(r["system"], r["schedule"]) for r in rows}
     auto = [r["schedule"] for r in rows if r["schedule"].startswith("auto: ")]
-    assert auto == ["auto: chimera --mode direct --split-backward"]  # labelled with its choice
+    assert auto == ["auto: bitpipe"]  # labelled with its choice (over the 2·D-block split torch.pp's 2-stage rows run)
     assert got == {("torch.pp", s) for s in TORCH if s in (*SMOKE, "1f1b")} | {("chimera", "chimera"), ("chimera", auto[0])}
     best = min(r["median_step_s"] for r in rows if r["system"] == "torch.pp" and r["median_step_s"])
     assert all(r["ratio_to_torch_best"] == r["median_step_s"] / best for r in rows if r["median_step_s"])

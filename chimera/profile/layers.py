@@ -257,16 +257,25 @@ class LayerRun:
         return (inputs if wrt_input else []) + (self.params if wrt_weight else [])
 
     def time_backward(self, wrt_input: bool, wrt_weight: bool) -> float:
-        """A fresh forward (not timed), then the gradients w.r.t. the inputs and/or the parameters (timed)."""
+        """A fresh forward (not timed), then the gradients w.r.t. the inputs and/or the parameters (timed).
+
+        As in the runtime, the gradients accumulate into ``.grad``, and the parameters' already hold one (as for
+        every micro-batch after a step's first), so the timing includes the in-place sum.
+        """
         x, inputs = self.leaves()
         outs, grads = self._outputs(self.forward(x))
         targets = self.targets(inputs, wrt_input, wrt_weight)
+        if wrt_weight:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         self.sync()
         t0 = time.perf_counter()
-        got = torch.autograd.grad(outs, targets, grads, allow_unused=True)
+        torch.autograd.backward(outs, grads, inputs=targets)
         self.sync()
         elapsed = time.perf_counter() - t0
-        del got  # freed outside the timed region (the runtime keeps gradients until the optimizer step)
+        for t in inputs:  # dropped outside the timed region (the runtime sends them on)
+            t.grad = None
         return elapsed
 
     def stash_bytes(self) -> int:
