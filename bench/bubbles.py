@@ -11,7 +11,7 @@ on the first stage, whose inputs need no gradient: there I does nothing and W th
 torch.distributed.pipelining). BitPipe runs 2D stages of one block each, sleeping tf/2 (the same work per
 worker). Goal: |measured - predicted| <= 0.03.
 
-Usage: python bench/bubbles.py [--tf 0.05] [--steps 4] [--quick] [--rows chimera-halving] [--rows split]
+Usage: python bench/bubbles.py [--tf 0.05] [--steps 6] [--quick] [--rows chimera-halving] [--rows split]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def measure(schedule: str, d: int, n: int, mode: str, tf: float, steps: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tf", type=float, default=0.05, help="forward sleep per stage (s)")
-    ap.add_argument("--steps", type=int, default=4, help="steps per row (the first is warm-up)")
+    ap.add_argument("--steps", type=int, default=6, help="steps per row (the first is warm-up)")
     ap.add_argument("--quick", action="store_true", help="only the D=4, N=4 rows, 2 steps")
     ap.add_argument("--rows", default=None, help="only rows whose 'schedule-mode' contains this, e.g. chimera-halving")
     args = ap.parse_args()
