@@ -24,7 +24,8 @@ def chimera_config(w: Workload, schedule: str, steps: int) -> TrainConfig:
     that it can choose schedules of 2·D stages (BitPipe, interleaved) too; a D-stage choice holds two blocks per
     stage, the same work."""
     parts = 2 * w.stages if schedule == "auto" and w.is_delay else w.stages
-    return TrainConfig.from_flags(model=w.model, model_overrides=w.overrides(parts), schedule=schedule, stages=w.stages,
+    return TrainConfig.from_flags(model=w.model, model_overrides=w.overrides(parts), partition=w.sizes(w.stages) or "uniform",
+                       schedule=schedule, stages=w.stages,
                        micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
                        steps=steps, optimizer=w.optimizer, lr=1e-3, weight_decay=0.01, clip_grad=0.0, threads=1,
                        seed=w.seed, timeout_s=120.0, corpus="synthetic")

@@ -66,7 +66,8 @@ def write_results(path: Path, command: str, workloads: list[Workload], reps: int
                   checks: list[str], notes: str = "") -> None:
     """Replace (or append) this benchmark's section of ``path``; other sections stay as they are."""
     desc = ", ".join(f"{w.name} ({w.model}, D={w.stages}, N={w.micro_batches}, B={w.micro_batch_size}"
-                     + (f", tf={w.tf:g} s" if w.is_delay else f", seq {w.seq_len}") + ")" for w in workloads)
+                     + (f", tf={w.tf:g} s" if w.is_delay else f", seq {w.seq_len}")
+                     + "".join(f", {k} stages: layers {w.sizes(k)}" for k, _ in w.planned) + ")" for w in workloads)
     body = (f"{SECTION} (`bench/vs_torch_pipelining.py`)\n\n"
             f"Command: `{command}`\n\n"
             f"Workloads: {desc}. {reps} measured repetitions per row after {warmup} warm-up; each repetition "

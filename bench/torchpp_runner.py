@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.workloads import Workload, input_keys, unpack_target
-from chimera.models import LayerChain, StageModule, build_stage, partition
+from chimera.models import LayerChain, StageModule, build_stage
 from chimera.models.chain import as_tuple, call
 from chimera.optim import build_optimizer
 from chimera.runtime.host_memory import keep_freed_memory
@@ -107,7 +107,7 @@ class _Runner:
         d = w.stages
         parts = d * ts.per_rank
         model = w.build(parts)
-        layers = partition(model, parts)
+        layers = w.layers(model, parts)
         self.local = ts.stages_of(rank, d)
         mods = {s: StageAdapter(build_stage(model, layers[s], w.seed), model) for s in self.local}
         stages = [pipelining.PipelineStage(mods[s], s, parts, torch.device("cpu")) for s in self.local]

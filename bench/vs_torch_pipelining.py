@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown schedule(s) {sorted(only - {*TORCH_SCHEDULES, *CHIMERA_SCHEDULES})}; known: "
                  f"{', '.join(sorted({*TORCH_SCHEDULES, *CHIMERA_SCHEDULES}))}")
     workloads = [WORKLOADS[n] for n in names]
+    workloads = [w.with_plan(w.stages, 2 * w.stages) for w in workloads]  # planned splits (uniform: as is)
     if args.tf is not None:
         from dataclasses import replace
         workloads = [replace(w, tf=args.tf) if w.is_delay else w for w in workloads]

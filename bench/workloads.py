@@ -4,17 +4,18 @@ Both systems build their stages from chimera's layered models (``build_model`` +
 ``build_stage``) with the same seed, and read the same micro-batches from chimera's synthetic datasets, so
 the work per step is identical. A schedule that places two stages per rank (torch's Interleaved1F1B and
 DualPipeV) splits the same model into 2·D parts; for the delay model the 2·D blocks sleep tf/2 each, so the
-work per rank stays the same.
+work per rank stays the same. A workload with ``split="planned"`` (``bert-d2-n4-planned``) runs the planner's
+balanced split instead of the uniform one, the same on both systems (``Workload.with_plan``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from chimera.models import LayerChain, build_model
+from chimera.models import LayerChain, build_model, partition
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Workload:
     seq_len: int
     tf: float | None = None  # delay model: forward seconds per stage (input gradient tf, weight gradient tf)
     seed: int = 1234
+    split: str = "uniform"  # or "planned": the planner's balanced split, the same on both systems
+    planned: tuple[tuple[int, tuple[int, ...]], ...] = ()  # stage count -> layers per stage (``with_plan``)
 
     @property
     def is_delay(self) -> bool:
@@ -48,6 +51,37 @@ class Workload:
     def build(self, parts: int) -> LayerChain:
         """The layered model as split into ``parts`` stages."""
         return build_model(self.model, seq_len=self.seq_len, **self.overrides(parts))
+
+    def layers(self, model: LayerChain, parts: int) -> list[list[int]]:
+        """Layer indices of each of ``parts`` stages: uniform, or the planned split of ``with_plan``."""
+        if self.split == "uniform":
+            return partition(model, parts)
+        sizes = dict(self.planned).get(parts)
+        if sizes is None:
+            raise ValueError(f"{self.name}: no planned split into {parts} stages; call with_plan({parts}) first")
+        return partition(model, parts, list(sizes))
+
+    def sizes(self, parts: int) -> str | None:
+        """The planned split into ``parts`` stages as a ``--partition`` value (None: uniform)."""
+        return None if self.split == "uniform" else ",".join(map(str, dict(self.planned)[parts]))
+
+    def with_plan(self, *parts: int) -> Workload:
+        """This workload with the planner's split into each of ``parts`` stages: the model is profiled once
+        (one thread per worker, as many profiling processes at once as the D workers, micro-batch size B;
+        kept in ``profiles/``), and each split minimises the simulated 1F1B step over that many stages, so
+        both systems and every schedule of a stage count run the same balanced split."""
+        if self.split == "uniform":
+            return self
+        from chimera.plan.auto import cached_profile
+        from chimera.plan.partition import plan_partition
+        from chimera.schedule import build_schedule
+
+        model = self.build(self.stages)
+        prof = cached_profile(model, [self.micro_batch_size], "cpu", 1, self.stages)
+        planned = tuple((k, tuple(plan_partition(prof, build_schedule("1f1b", k, self.micro_batches),
+                                                 self.micro_batch_size, False, self.optimizer).sizes))
+                        for k in sorted(set(parts)))
+        return replace(self, planned=planned)
 
     def batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """The whole step's mini-batch for torch.pp: first-stage positional inputs and one packed target.
@@ -96,6 +130,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("delay-d8-n32", "delay", 8, 32, 2, 64, tf=0.05),
         Workload("bert-d2-n4", "bert-tiny", 2, 4, 4, 64),
         Workload("bert-d2-n8", "bert-tiny", 2, 8, 4, 64),
+        Workload("bert-d2-n4-planned", "bert-tiny", 2, 4, 4, 64, split="planned"),
+        Workload("bert-d2-n8-planned", "bert-tiny", 2, 8, 4, 64, split="planned"),
         Workload("bert-d4-n8", "bert-tiny", 4, 8, 4, 64),
     ]
 }

@@ -46,3 +46,21 @@ def test_vs_torch_pipelining_smoke(tmp_path):
     for r in rows:
         assert f"| {r['workload']} | {r['system']} | {r['schedule']} |" in text
         assert f"| {r['workload']} | {r['system']} | {r['schedule']} |" in proc.stdout
+
+
+def test_planned_split_is_the_same_on_both_systems():
+    """A planned workload hands its split to chimera's --partition and to torch.pp's stage builder alike."""
+    from dataclasses import replace
+
+    from bench.chimera_runner import chimera_config
+    from bench.workloads import WORKLOADS
+
+    w = WORKLOADS["bert-d2-n4-planned"]
+    model = w.build(2)
+    with pytest.raises(ValueError, match="with_plan"):
+        w.layers(model, 2)
+    w = replace(w, planned=((2, (3, 1)), (4, (1, 1, 1, 1))))
+    assert w.layers(model, 2) == [[0, 1, 2], [3]]
+    job = chimera_config(w, "1f1b", 2).check()
+    assert job.stage_layers == w.layers(model, 2)
+    assert WORKLOADS["bert-d2-n4"].layers(model, 2) == [[0, 1], [2, 3]]
