@@ -10,7 +10,6 @@ model, device, library versions, threads and sizes)::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,9 @@ def memory_limit(cfg: Any) -> int | None:
 
 
 def sharing(world: int, device: str) -> int:
-    """How many workers will compute at once on this machine's CPU cores (1 on GPUs: one device each)."""
-    return 1 if device == "cuda" else max(1, min(world, os.cpu_count() or 1))
+    """How many processes to profile at once: on CPU every worker (they share the machine's cores, also when
+    they outnumber them, and each timing should carry its share), on GPUs 1 (one device each)."""
+    return 1 if device == "cuda" else max(1, world)
 
 
 def cached_profile(chain: Any, sizes: Sequence[int], device: str, threads: int, concurrent: int = 1,
