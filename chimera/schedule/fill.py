@@ -28,6 +28,7 @@ from typing import Any
 
 from chimera.schedule.ir import Action, Schedule, ScheduleConfigError, _replace
 from chimera.schedule.kinds import PARTS, Kind
+from chimera.schedule.simulate import peak_activations
 
 _I, _W = PARTS[Kind.B]
 
@@ -204,16 +205,8 @@ def chimera_split(base: Schedule, costs: UnitCosts = EQUAL) -> Schedule:
     that bound: under backward halving (``microbatch_scale`` 1/2) every action runs on half a micro-batch,
     forwards too, and the start-up wait halves (D = 8, N = 16: 0.030).
     """
-    peak = max(_held(row) for row in base.actions)
+    peak = int(max(peak_activations(base)) / base.microbatch_scale)  # in the schedule's units, as the caps count
     return zero_bubble(base, None, [peak] * base.workers, True, base.name, costs)
-
-
-def _held(row: Sequence[Action]) -> int:
-    live = peak = 0
-    for a in row:
-        live += a.count if a.kind is Kind.F else -1 if a.kind is Kind.B else 0
-        peak = max(peak, live)
-    return peak
 
 
 __all__ = ["UnitCosts", "chimera_split", "list_schedule", "zero_bubble"]
