@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
+from bench.predict import delay_costs  # noqa: E402
 from chimera.config import TrainConfig  # noqa: E402
 from chimera.schedule import Costs, simulate  # noqa: E402
 from chimera.timeline.analysis import step_stats  # noqa: E402
@@ -59,8 +60,7 @@ def measure(schedule: str, d: int, n: int, mode: str, tf: float, steps: int) -> 
     stats = step_stats(events)
     unit = 1 / sched.microbatch_scale  # costs are per micro-batch; every unit sleeps the same
     if split:  # I = W = tf; the first stage's I has no input gradient to make, its W does both halves
-        costs = Costs(fwd=tf * unit, bwd=[0.0, *[tf * unit] * (parts - 1)],
-                      wgrad=[2 * tf * unit, *[tf * unit] * (parts - 1)])
+        costs = delay_costs(tf * unit, parts)
     else:
         costs = Costs(fwd=tf * unit, bwd=[(3 if recompute and s < d - 1 else 2) * tf * unit for s in range(d)])
     pred = simulate(sched.compute_only(), costs)
