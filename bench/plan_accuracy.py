@@ -48,12 +48,11 @@ def measured_step(cfg: TrainConfig) -> float:
     return statistics.median(m["step_time_s"] for m in res.metrics[2:])
 
 
-def predicted_step(prof: Any, cfg: TrainConfig) -> float:
-    """The simulator's step for exactly this configuration (schedule, partition, optimizer) under ``prof``."""
-    job = cfg.check()
-    return float(simulate(job.schedule, simulator_costs(prof, job.stage_layers, job.unit_size,
-                                                        job.cfg.training.recompute, job.schedule,
-                                                        job.cfg.training.optimizer)).makespan)
+def simulated(prof: Any, job: Any) -> Any:
+    """The simulator's run of exactly this job (schedule, partition, recomputation, optimizer) under ``prof``."""
+    t = job.cfg.training
+    return simulate(job.schedule, simulator_costs(prof, job.stage_layers, job.unit_size, t.recompute, job.schedule,
+                                                  t.optimizer))
 
 
 def accuracy(steps: int, reps: int, rounds: int) -> list[str]:
@@ -76,7 +75,7 @@ def accuracy(steps: int, reps: int, rounds: int) -> list[str]:
                 chosen = [(e, base.with_flags(**plan_flags(e))) for e in
                           plan(prof, 2, global_batch=32, optimizer="adamw", top=4).ranked[:4]]
             for k, (_, cfg) in enumerate(chosen):
-                pred.setdefault(k, []).append(predicted_step(prof, cfg))
+                pred.setdefault(k, []).append(float(simulated(prof, cfg.check()).makespan))
                 meas.setdefault(k, []).append(measured_step(cfg))
                 print(f"  round {r} {name} #{k}: predicted {pred[k][-1]:.4f} measured {meas[k][-1]:.4f}", flush=True)
         for k, (e, cfg) in enumerate(chosen):
@@ -143,8 +142,7 @@ def breakdown(steps: int, reps: int) -> list[str]:
     cfg = TrainConfig.from_flags(model="bert-tiny", seq_len=64, corpus="synthetic", optimizer="adamw", steps=steps,
                                  threads=1, clip_grad=0.0, profile=True, **plan_flags(best))
     job = cfg.check()
-    sim = simulate(job.schedule, simulator_costs(prof, job.stage_layers, job.unit_size, job.cfg.training.recompute,
-                                                 job.schedule, "adamw"))
+    sim = simulated(prof, job)
     measured: dict[tuple[int, str], float] = defaultdict(float)
     for e in run_local(job).events:
         if e.iteration >= 2:
@@ -189,8 +187,7 @@ def _predicted(job: Any) -> dict[str, Any]:
 
     world = job.world_size
     prof = cached_profile(job.chain, [job.unit_size], "cpu", job.cfg.worker_threads(world), sharing(world, "cpu"))
-    sim = simulate(job.schedule, simulator_costs(prof, job.stage_layers, job.unit_size, False, job.schedule,
-                                                 job.cfg.training.optimizer))
+    sim = simulated(prof, job)
     return {"step_s": float(sim.makespan), "bubble": float(sim.bubble)}
 
 
