@@ -341,13 +341,11 @@ def _check_memory(cfg: TrainConfig, chain: LayerChain, sched: Any) -> None:
 
     method = "uniform" if cfg.model.partition == "planned" else _partition_method(cfg.model.partition)
     try:
-        layers = partition(chain, sched.stages, method)
-        check_fits(cfg, chain, sched, layers)
-    except ChainError:
-        return  # reported with its own message by the checks that follow
-    except ValueError as e:
-        if str(e).startswith("--micro-batch-size"):
-            raise ConfigError(str(e)) from None
+        check_fits(cfg, chain, sched, partition(chain, sched.stages, method))
+    except ConfigError:
+        raise
+    except ValueError:
+        return  # a bad --partition or a chain that cannot be priced: the checks that follow report it
 
 
 def _preset_chain(m: ModelConfig) -> LayerChain:

@@ -5,7 +5,7 @@ schedule's unit size. They come from the chain's shapes on the meta device, whic
 micro-batch size can be priced in well under a second without a profile::
 
     peaks = estimate_peaks(chain, schedule, stage_layers, unit=4, optimizer="adamw", recompute=False)
-    check_fits(cfg, chain, schedule, stage_layers)   # ValueError naming --micro-batch-size when it cannot fit
+    check_fits(cfg, chain, schedule, stage_layers)   # ConfigError naming --micro-batch-size when it cannot fit
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ def device_budget(cfg: Any) -> Any:
 
 
 def check_fits(cfg: Any, chain: Any, schedule: Schedule, stage_layers: Sequence[Sequence[int]]) -> WorkerMemory:
-    """The largest worker's peak; ValueError with the estimate and what to change when it exceeds the memory a
-    worker has (:func:`available_per_worker`)."""
+    """The largest worker's peak; :class:`~chimera.validation.ConfigError` with the estimate and what to change
+    when it exceeds the memory a worker has (:func:`available_per_worker`)."""
+    from chimera.validation import ConfigError
+
     s, t = cfg.schedule, cfg.training
     unit = int(s.micro_batch_size * schedule.microbatch_scale)
     peaks = estimate_peaks(chain, schedule, stage_layers, unit, t.optimizer, t.recompute, t.device != "cuda")
@@ -69,7 +71,7 @@ def check_fits(cfg: Any, chain: Any, schedule: Schedule, stage_layers: Sequence[
     peak = peaks[worst]
     limit = available_per_worker(cfg, schedule.workers * schedule.data_parallel)
     if limit is not None and peak.total > limit[0]:
-        raise ValueError(
+        raise ConfigError(
             f"--micro-batch-size {s.micro_batch_size} cannot fit: the memory model estimates {peak.total / GiB:.2f} "
             f"GiB at worker {worst}'s peak (parameters {peak.params / GiB:.2f}, optimizer {peak.optimizer / GiB:.2f}, "
             f"gradients {peak.grads / GiB:.2f}, activations {peak.activations / GiB:.2f}, messages "
