@@ -248,7 +248,9 @@ def chimera(stages: int, microbatches: int, mode: str = "direct", split_backward
     elif mode == "doubling":
         if k % 2:
             raise ScheduleConfigError(
-                f"chimera forward doubling needs N to be a multiple of 2*D={2 * stages}; got N={microbatches}"
+                f"chimera --mode doubling needs --micro-batches (N) to be a multiple of 2*D={2 * stages}; got "
+                f"N={microbatches}: use --micro-batches {2 * stages * max(1, -(-microbatches // (2 * stages)))} or "
+                "--mode direct"
             )
         rows, units_n = _chimera_rows(stages, k // 2, 2), microbatches
     else:  # with split backward every action runs on one half, forwards too (chimera_split)
