@@ -40,6 +40,12 @@ def test_bad_numbers_refused_once_in_the_check(flags, flag):
     assert msg.startswith(flag) and msg.count("must be") == 1, msg
 
 
+def test_forward_doubling_with_too_few_micro_batches_names_the_flags():
+    """The example the fuzz test below found: the error named neither --mode nor --micro-batches."""
+    with pytest.raises(ConfigError, match=r"--mode doubling needs --micro-batches .*use --micro-batches 8 or --mode direct"):
+        TrainConfig.from_flags(schedule="chimera", mode="doubling", stages=4, micro_batches=4).check(CHAIN, _data)
+
+
 def test_micro_batch_that_cannot_fit_is_refused_with_the_estimate():
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_flags(**TINY, micro_batch_size=100000).check()
