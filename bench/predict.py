@@ -20,7 +20,7 @@ from chimera.schedule import Costs, Schedule, build_schedule, simulate
 
 def delay_costs(tf: float, stages: int) -> Costs:
     """The delay model's simulator costs per stage (module docstring)."""
-    return Costs(fwd=tf, bwd=[0.0, *[tf] * (stages - 1)], wgrad=[2 * tf, *[tf] * (stages - 1)])
+    return Costs(fwd=tf, bwd=tf, wgrad=tf).first_stage_whole_backward(stages)
 
 
 def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | None = None) -> float | None:

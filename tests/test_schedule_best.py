@@ -2,6 +2,7 @@
 
 import json
 import time
+from fractions import Fraction
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from chimera.cli import main
 from chimera.config import ConfigError, TrainConfig
 from chimera.models import build_model
 from chimera.schedule import Costs, ScheduleConfigError, build_schedule, simulate, to_csv, to_json
-from chimera.schedule.best import best, rank
+from chimera.schedule.best import best, per_stage, rank
 
 EQUAL = Costs(fwd=1, bwd=1, wgrad=1)
 
@@ -100,3 +101,17 @@ def test_delay_model_sleeps_tb_in_i_and_tw_in_w():
     t0 = time.perf_counter()
     full.sum().backward()
     assert time.perf_counter() - t0 >= 0.2  # a whole backward sleeps tb + tw
+
+
+def test_zero_bubble_orders_use_each_stages_costs():
+    """The first stage's I is empty and its W its whole backward (as the runtime splits it); ordering with each
+    stage's own costs lets BitPipe reach the lower bound (3N units of work plus the start-up wait of the worker
+    that starts last: half a stage per hop), which ordering with the mean costs misses."""
+    split = per_stage(EQUAL, 2)
+    for d, n, bound in ((4, 4, Fraction(25, 2)), (4, 16, Fraction(97, 2)), (8, 8, Fraction(51, 2))):
+        choice, _ = best(d, n, EQUAL, halving=False)
+        assert choice.label == "bitpipe" and choice.makespan == bound == 3 * n + Fraction(d // 2 - 1, 2), (d, n)
+        costs = split.first_stage_whole_backward(2 * d)
+        assert costs.bwd[0] == 0 and costs.wgrad[0] == 1 and costs.bwd[1] == costs.wgrad[1] == Fraction(1, 2)
+        mean_order = simulate(build_schedule("bitpipe", d, n), costs).makespan
+        assert mean_order > bound, (d, n, mean_order)

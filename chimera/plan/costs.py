@@ -78,7 +78,7 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     comm = profile.comm
     if comm is None:
         return Costs(fwd=fwd, bwd=bwd, wgrad=wgrad, optimizer=optimizer_s, swap_in=swap_in, swap_out=swap_out,
-                     copy_overlap=overlap)
+                     copy_overlap=overlap).first_stage_whole_backward(len(stage_layers))
     allreduce = []
     for s in range(len(stage_layers)):
         n = schedule.stage_group_size(s)
@@ -90,7 +90,7 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
         optimizer_s += _allreduce_link(profile, len(ranks)).time(max(sc.tied_bytes))
     return Costs(fwd=fwd, bwd=bwd, wgrad=wgrad, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes,
                  p2p_bandwidth=comm.p2p.bandwidth_Bps, allreduce=allreduce, optimizer=optimizer_s, swap_in=swap_in,
-                 swap_out=swap_out, copy_overlap=overlap)
+                 swap_out=swap_out, copy_overlap=overlap).first_stage_whole_backward(len(stage_layers))
 
 
 def _packed(profile: Profile, stage_layers: Sequence[Sequence[int]], sc: StageCosts, offload: Offload,

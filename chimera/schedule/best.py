@@ -9,8 +9,10 @@ Usage::
     ('chimera --mode halving --split-backward', True)
 
 Costs are those of one worker's share of the model (the model split D ways): a schedule with v stages per
-worker and pipe (interleaved) charges each of its D*v stages 1/v of them. ``memory_limit`` bounds the peak
-activations per worker in micro-batches (the simulator's ``peak_activations``). 1F1B is always a candidate, so
+worker and pipe (interleaved) charges each of its D*v stages 1/v of them. As the runtime runs a split
+backward, the first stage's input-gradient part costs nothing and its weight-gradient part its whole backward
+(``Costs.first_stage_whole_backward``); the zero-bubble list scheduler orders with those per-stage costs.
+``memory_limit`` bounds the peak activations per worker in micro-batches (the simulator's ``peak_activations``). 1F1B is always a candidate, so
 the choice is never slower than 1F1B when 1F1B fits.
 """
 
@@ -81,17 +83,17 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
     """Every candidate simulated with ``costs``; those that fit first, fastest first (then least memory).
     ``layers``: leave out candidates with more stages than the model has layers."""
     out = []
-    order = UnitCosts.of(costs)
     for label, name, options in candidates(stages, microbatches, halving):
-        if layers is not None and stages * options.get("chunks", 1) > layers:
+        chunks = options.get("chunks", 1)
+        if layers is not None and stages * chunks > layers:
             continue
-        options = {**options, "order_costs": order}
+        split = per_stage(costs, chunks).first_stage_whole_backward(stages * chunks)
+        options = {**options, "order_costs": UnitCosts.of(split)}  # zero-bubble orders: with the stages' own costs
         try:
             s = build_schedule(name, stages, microbatches, **options)
         except ScheduleConfigError:
             continue
-        chunks = options.get("chunks", 1)
-        r = simulate(s, per_stage(costs, chunks))
+        r = simulate(s, split)
         peak = max(r.peak_activations) / chunks  # a stage of a D*chunks pipe stashes 1/chunks of a share
         peak = int(peak) if peak == int(peak) else peak
         out.append(Choice(label, name, options, r.makespan, r.bubble, peak, memory_limit is None or peak <= memory_limit))

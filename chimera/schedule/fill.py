@@ -2,7 +2,7 @@
 
 Every worker has a preferred order of its forwards and input-gradient backwards (its *main* actions). The
 list scheduler runs the workers against each other in unit time (a forward costs ``fwd``, an I ``bwd``, a W
-``wgrad`` per micro-batch; messages are free) and, whenever a worker is free, starts
+``wgrad`` per micro-batch, per stage where :class:`UnitCosts` gives them per stage; messages are free) and, whenever a worker is free, starts
 
 1. the first main action in its preferred order that can run (``in_order``: only the next one; else the next
    one of each stage's forwards and backwards); an input-gradient backward before a forward when both can run (it is on the
@@ -35,19 +35,25 @@ _I, _W = PARTS[Kind.B]
 
 @dataclass(frozen=True)
 class UnitCosts:
-    """Per-micro-batch times the list scheduler orders with (F = I = W by default; exact numbers keep it exact)."""
+    """Per-micro-batch times the list scheduler orders with: scalars, or one value per stage (F = I = W by default;
+    exact numbers keep it exact)."""
 
     fwd: Any = 1
     bwd: Any = 1
     wgrad: Any = 1
 
+    def time(self, kind: Kind, stage: int) -> Any:
+        """What one micro-batch of ``kind`` (F, I or W) costs on ``stage``."""
+        v = {Kind.F: self.fwd, _I: self.bwd, _W: self.wgrad}[kind]
+        return v[stage] if isinstance(v, Sequence) else v
+
     @staticmethod
     def of(costs: Any) -> UnitCosts:
-        """The mean per-stage forward, input-gradient and weight-gradient times of simulator ``costs``."""
-        def mean(v: Any) -> Any:
-            return sum(v) / len(v) if isinstance(v, Sequence) else v
+        """The forward, input-gradient and weight-gradient times of simulator ``costs`` (per stage where they are)."""
+        def keep(v: Any) -> Any:
+            return tuple(v) if isinstance(v, Sequence) else v
 
-        return UnitCosts(mean(costs.fwd), mean(costs.bwd), mean(costs.wgrad))
+        return UnitCosts(keep(costs.fwd), keep(costs.bwd), keep(costs.wgrad))
 
 
 EQUAL = UnitCosts()  # F = I = W
@@ -135,7 +141,7 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
             a = _pick(w, i, t, run, in_order)
             if a is None:
                 continue
-            w.free_at = t + {Kind.F: costs.fwd, _I: costs.bwd, _W: costs.wgrad}[a.kind] * a.count
+            w.free_at = t + costs.time(a.kind, a.stage) * a.count
             run.start(a, i, w.free_at)
             w.out.append(a)
             heapq.heappush(events, w.free_at)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numbers
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from functools import cached_property
 from math import lcm
@@ -83,6 +83,16 @@ class Costs:
             return value
         v = value * a.count
         return v if scale == 1 else v * scale
+
+    def first_stage_whole_backward(self, stages: int) -> Costs:
+        """These costs as the runtime splits a backward over ``stages`` stages: the first stage's inputs are data,
+        which need no gradient, so its input-gradient part (I) computes nothing and its weight-gradient part (W)
+        is its whole backward; every other stage keeps its own split. A full backward (B) costs the same."""
+        bwd = [self.stage_value(self.bwd, s) for s in range(stages)]
+        wgrad = [self.stage_value(self.wgrad, s) for s in range(stages)]
+        wgrad[0] += bwd[0]
+        bwd[0] = bwd[0] * 0
+        return replace(self, bwd=bwd, wgrad=wgrad)
 
     def message(self, key: Msg | None = None) -> Num:
         """The time of message ``key`` (per-stage ``p2p_bytes`` need the key: its stage made it)."""
