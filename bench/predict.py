@@ -2,14 +2,15 @@
 
 Delay model: ``simulate(schedule, delay_costs(tf, D)).makespan``: F = tf, input gradient tf, weight gradient tf
 (a whole backward 2·tf), except that the first stage's input gradient is nothing and its weight gradient both
-(its inputs need no gradient); tf/2 per stage for a schedule over the 2·D-stage split (torch's Interleaved1F1B,
-scheduled by chimera's interleaved generator, which follows torch's order; chimera's BitPipe). Chimera rows
-simulate the schedule the job runs (``auto``: the one it chose). No communication or optimizer cost is modelled.
+(its inputs need no gradient); tf/2 per stage for a schedule over the 2·D-stage split. Chimera rows simulate
+the schedule the job runs (``auto``: the one it chose); torch.pp's GPipe and 1F1B rows chimera's generator of the
+same order; torch.pp's multi-stage rows (Interleaved1F1B, DualPipeV, ZBVZeroBubble, InterleavedZeroBubble,
+LoopedBFS) the compute order torch's schedule object itself runs (its ``pipeline_order``, sent by rank 0;
+``bench.torchpp_runner.compute_order``). No communication or optimizer cost is modelled.
 
-No prediction (None) for torch's DualPipeV, ZBVZeroBubble, InterleavedZeroBubble and LoopedBFS (no chimera
-generator follows their order) and for the real-model rows: one-thread stage
-profiles taken on the shared 2-core development machine varied by up to 2x between runs, so a prediction
-from them would say more about the machine's load than about the schedule.
+No prediction (None) for the real-model rows: one-thread stage profiles taken on the shared 2-core development
+machine varied by up to 2x between runs, so a prediction from them would say more about the machine's load
+than about the schedule.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ def delay_costs(tf: float, stages: int) -> Costs:
 
 
 def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | None = None) -> float | None:
-    """The simulator's makespan for the row (``sched``: the schedule a chimera row runs), or None."""
-    if not w.is_delay or (system == "torch.pp" and schedule not in ("gpipe", "1f1b", "interleaved1f1b")):
+    """The simulator's makespan for the row (``sched``: the schedule the row runs; without it, chimera's generator
+    of ``schedule``), or None."""
+    if not w.is_delay or (sched is None and system == "torch.pp" and schedule not in ("gpipe", "1f1b")):
         return None
     assert w.tf is not None
-    interleaved = system == "torch.pp" and schedule == "interleaved1f1b"
     if sched is None:
-        sched = build_schedule("interleaved" if interleaved else schedule, w.stages, w.micro_batches, chunks=2)
+        sched = build_schedule(schedule, w.stages, w.micro_batches)
     tf = w.tf * w.stages / sched.stages  # a schedule of 2·D stages runs D ranks' work in halves
     return float(simulate(sched.compute_only(), delay_costs(tf, sched.stages)).makespan)

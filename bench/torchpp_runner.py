@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import queue
+import re
 import socket
 import time
 import traceback
@@ -130,6 +131,7 @@ class _Runner:
         holders = [r for r in range(d) if {0, parts - 1} & set(ts.stages_of(r, d))]
         self.tied_group = dist.new_group(holders) if model.tied_parameters() and len(holders) > 1 else None
         self.tied_member = rank in holders
+        self.order = compute_order(self.schedule)
 
     def step(self, args: tuple[torch.Tensor, ...], target: torch.Tensor) -> None:
         kw: dict[str, Any] = {}
@@ -147,6 +149,24 @@ class _Runner:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def compute_order(schedule: Any) -> str | None:
+    """The compute order torch runs for a multi-stage schedule (its ``pipeline_order``), one CSV row per rank as
+    ``chimera.schedule.from_csv`` reads it; DualPipeV's overlapped pair ``(F;B)OVERLAP_F_B`` as its two actions,
+    which a CPU runs one after the other. None for a single-stage schedule (GPipe, 1F1B)."""
+    order = getattr(schedule, "pipeline_order", None)
+    if not order:
+        return None
+    rows = []
+    for rank in sorted(order):
+        cells: list[str] = []
+        for a in order[rank]:
+            if a is not None:
+                pair = re.fullmatch(r"\((.*)\)OVERLAP_F_B", str(a))
+                cells += pair.group(1).split(";") if pair else [str(a)]
+        rows.append(",".join(cells))
+    return "\n".join(rows)
+
+
 def _worker(w: Workload, names: list[str], rank: int, init: str, cmds: Any, out: Any) -> None:
     try:
         keep_freed_memory()  # the allocator setting chimera's CPU workers use, so both sides allocate alike
@@ -155,7 +175,7 @@ def _worker(w: Workload, names: list[str], rank: int, init: str, cmds: Any, out:
                                 timeout=timedelta(seconds=300))
         # new_group is collective: every rank builds every runner in the same order
         runners = {n: _Runner(w, TORCH_SCHEDULES[n], rank) for n in names}
-        out.put(("ready", rank, None))
+        out.put(("ready", rank, {n: r.order for n, r in runners.items()} if rank == 0 else None))
         batches: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
         while True:
             cmd = cmds.get()
@@ -201,7 +221,7 @@ class TorchPPGroup:
     def __enter__(self) -> TorchPPGroup:
         for p in self.procs:
             p.start()
-        self._collect("ready")
+        self.orders: dict[str, str | None] = self._collect("ready")[0]  # rank 0: every schedule's compute order
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -43,6 +43,7 @@ from bench.predict import predicted_step_s  # noqa: E402
 from bench.report import format_table, targets, write_results  # noqa: E402
 from bench.torchpp_runner import TORCH_SCHEDULES, TorchPPGroup  # noqa: E402
 from bench.workloads import WORKLOADS, Workload  # noqa: E402
+from chimera.schedule import from_csv  # noqa: E402
 
 CHIMERA_SCHEDULES = ["chimera", "1f1b", "gpipe", "auto"]
 PAIR = 2  # steps per row and repetition, back to back; the second one is timed (steady state)
@@ -85,6 +86,11 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
         group = stack.enter_context(TorchPPGroup(w, torch_names))
         for f in futures:
             f.result()
+        for r in live:
+            order = group.orders.get(r["schedule"]) if r["system"] == "torch.pp" else None
+            if order is not None:  # what torch runs, simulated like every other row
+                sched = from_csv(order, name=r["schedule"], microbatches=w.micro_batches)
+                r["predicted_step_s"] = predicted_step_s(w, "torch.pp", r["schedule"], sched)
         runners: dict[tuple[str, str], Any] = {("torch.pp", n): group for n in torch_names}
         runners.update({("chimera", n): c for n, c in chimera_rows.items()})
         log(f"  {w.name}: started {len(live)} rows in {time.perf_counter() - t_start:.1f} s")
@@ -116,7 +122,7 @@ def finish(rows: list[dict[str, Any]], w: Workload) -> None:
         r["median_step_s"] = statistics.median(r["times"]) if r["times"] else None
         samples = w.micro_batches * w.micro_batch_size
         r["samples_per_s"] = samples / r["median_step_s"] if r["median_step_s"] else None
-        if r["system"] == "torch.pp":
+        if r["system"] == "torch.pp" and "predicted_step_s" not in r:
             r["predicted_step_s"] = None if r["note"] else predicted_step_s(w, r["system"], r["schedule"])
         r.setdefault("predicted_step_s", None)
     ref = next(r["median_step_s"] for r in rows if r["system"] == "torch.pp" and r["schedule"] == "1f1b")

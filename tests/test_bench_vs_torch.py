@@ -40,7 +40,11 @@ def test_vs_torch_pipelining_smoke(tmp_path):
         else:
             assert r["median_step_s"] > 0 and r["ratio_to_torch_1f1b"] > 0
     assert any(r["note"] for r in rows if r["schedule"] == "dualpipev")
+    # torch's own compute order (rank 0's pipeline_order), simulated like chimera's schedules: ZBV's ideal step
+    zbv = next(r for r in rows if r["schedule"] == "zbvzerobubble")
+    assert zbv["predicted_step_s"] == pytest.approx(15 * 0.01), zbv  # 12 tf of work per rank, 3 tf of bubble
     text = md.read_text()
+    assert "predicted " in text.split("auto: bitpipe / best torch.pp")[1].splitlines()[0]
     assert "## Earlier section" in text and "kept" in text
     assert "## chimera vs torch.distributed.pipelining" in text and "--workloads delay-d4-n4" in text
     for r in rows:

@@ -60,7 +60,8 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     The simulator's compute costs are per micro-batch and scaled by the schedule's ``microbatch_scale``, so under
     backward halving (units of B/2) the cost of a unit is given times two. Without a communication profile
     messages and gradient sums are free (a lower bound). ``offload`` with packs: a packed stage's forward and
-    backward include its pack swaps (:func:`_packed`).
+    backward include its pack swaps (:func:`_packed`). As the runtime splits a backward, the first stage's I is
+    empty and its W its whole backward (``Costs.first_stage_whole_backward``).
     """
     sc = stage_costs(profile, stage_layers, unit, recompute)
     if offload is not None and offload.pack and profile.host_in is not None:
