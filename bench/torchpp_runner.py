@@ -131,7 +131,7 @@ class _Runner:
         holders = [r for r in range(d) if {0, parts - 1} & set(ts.stages_of(r, d))]
         self.tied_group = dist.new_group(holders) if model.tied_parameters() and len(holders) > 1 else None
         self.tied_member = rank in holders
-        self.order = compute_order(self.schedule)
+        self.order = compute_order(self.schedule) if ts.per_rank > 1 else None  # GPipe, 1F1B: chimera generates them
 
     def step(self, args: tuple[torch.Tensor, ...], target: torch.Tensor) -> None:
         kw: dict[str, Any] = {}
@@ -152,7 +152,8 @@ class _Runner:
 def compute_order(schedule: Any) -> str | None:
     """The compute order torch runs for a multi-stage schedule (its ``pipeline_order``), one CSV row per rank as
     ``chimera.schedule.from_csv`` reads it; DualPipeV's overlapped pair ``(F;B)OVERLAP_F_B`` as its two actions,
-    which a CPU runs one after the other. None for a single-stage schedule (GPipe, 1F1B)."""
+    which a CPU runs one after the other; its other actions (gradient reduction, unshard) left out. None for a
+    single-stage schedule (GPipe, 1F1B)."""
     order = getattr(schedule, "pipeline_order", None)
     if not order:
         return None
@@ -162,7 +163,8 @@ def compute_order(schedule: Any) -> str | None:
         for a in order[rank]:
             if a is not None:
                 pair = re.fullmatch(r"\((.*)\)OVERLAP_F_B", str(a))
-                cells += pair.group(1).split(";") if pair else [str(a)]
+                cells += [c for c in (pair.group(1).split(";") if pair else [str(a)])
+                          if re.fullmatch(r"\d+[FBIW]\d+", c)]  # compute only (no REDUCE_GRAD, UNSHARD, ...)
         rows.append(",".join(cells))
     return "\n".join(rows)
 
