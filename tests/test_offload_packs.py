@@ -45,7 +45,9 @@ def test_packed_stages_swap_inside_their_compute_and_cost_it():
         packed = simulator_costs(prof, layers, unit, False, sched, offload=off)
         if prof.device == "cpu":  # synchronous copies: every pack's
             assert packed.fwd[0] == pytest.approx(plain.fwd[0] + sum(times))
-            assert packed.bwd[0] == pytest.approx(plain.bwd[0] + sum(times))
+            # the first stage's whole backward is its W (its I computes nothing)
+            assert packed.bwd[0] == plain.bwd[0] == 0
+            assert packed.wgrad[0] == pytest.approx(plain.wgrad[0] + sum(times))
         else:  # a copy stream: the first pack's, and the rest beyond the compute they run beside
             assert packed.fwd[0] == pytest.approx(plain.fwd[0] + times[0] + max(0, sum(times[1:]) - plain.fwd[0]))
         assert (packed.fwd[1], packed.bwd[1]) == (plain.fwd[1], plain.bwd[1])  # not in packs
