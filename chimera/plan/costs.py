@@ -18,7 +18,7 @@ copy measurement); on GPU swap-ins run beside compute (a copy stream).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from chimera.profile import Profile, ProfileError
 from chimera.schedule import Costs, Offload, Schedule
@@ -75,23 +75,32 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     bwd = [t * per_mb - w for t, w in zip(sc.bwd, wgrad)]  # the input-gradient part: B costs bwd + wgrad
     swap_in = [profile.host_in.time(b) for b in sc.param_bytes] if profile.host_in else 0.0
     swap_out = [profile.host_out.time(b) for b in sc.param_bytes] if profile.host_out else 0.0
-    overlap = profile.device.startswith("cuda")
+    base = Costs(fwd=fwd, bwd=bwd, wgrad=wgrad, optimizer=optimizer_s, swap_in=swap_in, swap_out=swap_out,
+                 copy_overlap=profile.device.startswith("cuda"))
     comm = profile.comm
-    if comm is None:
-        return Costs(fwd=fwd, bwd=bwd, wgrad=wgrad, optimizer=optimizer_s, swap_in=swap_in, swap_out=swap_out,
-                     copy_overlap=overlap).first_stage_whole_backward(len(stage_layers))
+    if comm is not None:
+        base = _with_comm(base, profile, stage_layers, sc, schedule)
+    return base.first_stage_whole_backward(len(stage_layers))
+
+
+def _with_comm(base: Costs, profile: Profile, stage_layers: Sequence[Sequence[int]], sc: StageCosts,
+               schedule: Schedule) -> Costs:
+    """``base`` with the measured links priced: messages, each stage's replica gradient sum, and one synchronous
+    sum of the tied parameters over every rank holding either end (added to the optimizer step)."""
+    comm = profile.comm
+    assert comm is not None
     allreduce = []
     for s in range(len(stage_layers)):
         n = schedule.stage_group_size(s)
         bucket = sc.param_bytes[s] - sc.tied_bytes[s]
         allreduce.append(_allreduce_link(profile, n).time(bucket) if n > 1 and bucket > 0 else 0.0)
+    optimizer_s = base.optimizer
     tied_stages = [s for s, b in enumerate(sc.tied_bytes) if b]
-    if tied_stages:  # one synchronous sum of the tied parameters, over every rank holding either end
+    if tied_stages:
         ranks = {r for s in tied_stages for r in schedule.stage_group(s)}
         optimizer_s += _allreduce_link(profile, len(ranks)).time(max(sc.tied_bytes))
-    return Costs(fwd=fwd, bwd=bwd, wgrad=wgrad, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes,
-                 p2p_bandwidth=comm.p2p.bandwidth_Bps, allreduce=allreduce, optimizer=optimizer_s, swap_in=swap_in,
-                 swap_out=swap_out, copy_overlap=overlap).first_stage_whole_backward(len(stage_layers))
+    return replace(base, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes, p2p_bandwidth=comm.p2p.bandwidth_Bps,
+                   allreduce=allreduce, optimizer=optimizer_s)
 
 
 def _packed(profile: Profile, stage_layers: Sequence[Sequence[int]], sc: StageCosts, offload: Offload,

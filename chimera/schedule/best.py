@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from chimera.schedule.fill import UnitCosts
 from chimera.schedule.generators import ScheduleConfigError, build_schedule
 from chimera.schedule.simulate import Costs, Num, simulate
 
@@ -88,7 +87,7 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
         if layers is not None and stages * chunks > layers:
             continue
         split = per_stage(costs, chunks).first_stage_whole_backward(stages * chunks)
-        options = {**options, "order_costs": UnitCosts.of(split)}  # zero-bubble orders: with the stages' own costs
+        options = {**options, "order_costs": split}  # zero-bubble orders: with the stages' own costs
         try:
             s = build_schedule(name, stages, microbatches, **options)
         except ScheduleConfigError:

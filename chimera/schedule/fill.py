@@ -2,7 +2,8 @@
 
 Every worker has a preferred order of its forwards and input-gradient backwards (its *main* actions). The
 list scheduler runs the workers against each other in unit time (a forward costs ``fwd``, an I ``bwd``, a W
-``wgrad`` per micro-batch, per stage where :class:`UnitCosts` gives them per stage; messages are free) and, whenever a worker is free, starts
+``wgrad`` per micro-batch, per stage where the :class:`~chimera.schedule.simulate.Costs` give them per stage;
+messages are free) and, whenever a worker is free, starts
 
 1. the first main action in its preferred order that can run (``in_order``: only the next one; else the next
    one of each stage's forwards and backwards); an input-gradient backward before a forward when both can run (it is on the
@@ -23,40 +24,16 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from chimera.schedule.ir import Action, Schedule, ScheduleConfigError, _replace
 from chimera.schedule.kinds import PARTS, Kind
-from chimera.schedule.simulate import peak_activations
+from chimera.schedule.simulate import Costs, peak_activations
 
 _I, _W = PARTS[Kind.B]
 
 
-@dataclass(frozen=True)
-class UnitCosts:
-    """Per-micro-batch times the list scheduler orders with: scalars, or one value per stage (F = I = W by default;
-    exact numbers keep it exact)."""
-
-    fwd: Any = 1
-    bwd: Any = 1
-    wgrad: Any = 1
-
-    def time(self, kind: Kind, stage: int) -> Any:
-        """What one micro-batch of ``kind`` (F, I or W) costs on ``stage``."""
-        v = {Kind.F: self.fwd, _I: self.bwd, _W: self.wgrad}[kind]
-        return v[stage] if isinstance(v, Sequence) else v
-
-    @staticmethod
-    def of(costs: Any) -> UnitCosts:
-        """The forward, input-gradient and weight-gradient times of simulator ``costs`` (per stage where they are)."""
-        def keep(v: Any) -> Any:
-            return tuple(v) if isinstance(v, Sequence) else v
-
-        return UnitCosts(keep(costs.fwd), keep(costs.bwd), keep(costs.wgrad))
-
-
-EQUAL = UnitCosts()  # F = I = W
+EQUAL = Costs(fwd=1, bwd=1, wgrad=1)  # F = I = W: what orders are built with unless told
 
 
 class _Worker:
@@ -125,7 +102,7 @@ class _Run:
 
 def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: Sequence[Sequence[Action]],
                   caps: Sequence[int | None] | None = None, defer: Sequence[int | None] | None = None,
-                  in_order: bool = False, costs: UnitCosts = EQUAL) -> list[list[Action]]:
+                  in_order: bool = False, costs: Costs = EQUAL) -> list[list[Action]]:
     """Per worker, the order its main actions (F, I) and their W run in (module docstring)."""
     run = _Run(stages, placement)
     workers = [_Worker(seq, caps[w] if caps else None, defer[w] if defer else None) for w, seq in enumerate(seqs)]
@@ -141,7 +118,7 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
             a = _pick(w, i, t, run, in_order)
             if a is None:
                 continue
-            w.free_at = t + costs.time(a.kind, a.stage) * a.count
+            w.free_at = t + costs.of(a)
             run.start(a, i, w.free_at)
             w.out.append(a)
             heapq.heappush(events, w.free_at)
@@ -192,14 +169,14 @@ def _as_inputs(row: Sequence[Action]) -> list[Action]:
 
 
 def zero_bubble(base: Schedule, caps: Sequence[int | None] | None, defer: Sequence[int | None] | None,
-                in_order: bool, name: str, costs: UnitCosts = EQUAL) -> Schedule:
+                in_order: bool, name: str, costs: Costs = EQUAL) -> Schedule:
     """``base``'s order of forwards and backwards, backward split, W filling the bubbles (ordered with ``costs``)."""
     rows = list_schedule(base.stages, base.placement, [_as_inputs(r) for r in base.actions], caps, defer, in_order,
                          costs)
     return _replace(base, actions=rows, name=name)
 
 
-def chimera_split(base: Schedule, costs: UnitCosts = EQUAL) -> Schedule:
+def chimera_split(base: Schedule, costs: Costs = EQUAL) -> Schedule:
     """Chimera with split backward, from the Chimera schedule ``base`` (any mode).
 
     Every worker keeps Chimera's order of forwards and input-gradient backwards (so the two pipes keep meeting
@@ -215,4 +192,4 @@ def chimera_split(base: Schedule, costs: UnitCosts = EQUAL) -> Schedule:
     return zero_bubble(base, None, [peak] * base.workers, True, base.name, costs)
 
 
-__all__ = ["UnitCosts", "chimera_split", "list_schedule", "zero_bubble"]
+__all__ = ["EQUAL", "chimera_split", "list_schedule", "zero_bubble"]

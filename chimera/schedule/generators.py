@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from fractions import Fraction
 
-from chimera.schedule.fill import EQUAL, UnitCosts, chimera_split, list_schedule, zero_bubble
+from chimera.schedule.fill import EQUAL, chimera_split, list_schedule, zero_bubble
 from chimera.schedule.ir import DOWN, UP, Action, B, F, Kind, Schedule, ScheduleConfigError
 from chimera.schedule.lowering import split_backward as split_in_place
+from chimera.schedule.simulate import Costs
 
 
 def _check_common(stages: int, microbatches: int) -> None:
@@ -149,7 +150,7 @@ def _chimera_rows(d: int, units: int, group: int) -> list[list[Action]]:
     return rows
 
 
-def zb_h1(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Schedule:
+def zb_h1(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedule:
     """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24): 1F1B with split backward, W in its bubbles.
 
     Stage s starts at most D - s forwards ahead of its input-gradient backwards (1F1B's warm-up), and every worker
@@ -162,7 +163,7 @@ def zb_h1(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Sch
     return zero_bubble(one_f_one_b(stages, microbatches), caps, defer, False, "zb-h1", order_costs)
 
 
-def zb_h2(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Schedule:
+def zb_h2(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedule:
     """ZB-H2: stage s starts up to 2(D - s) - 1 forwards ahead, so forwards fill the warm-up as well; every worker
     holds at most 2D - 1 micro-batches (about twice 1F1B's activation memory)."""
     _check_common(stages, microbatches)
@@ -171,7 +172,7 @@ def zb_h2(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Sch
     return zero_bubble(one_f_one_b(stages, microbatches), caps, held, False, "zb-h2", order_costs)
 
 
-def bitpipe(stages: int, microbatches: int, order_costs: UnitCosts = EQUAL) -> Schedule:
+def bitpipe(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedule:
     """Bidirectional V-shaped pipelines with split backward (BitPipe-style, v = 2).
 
     The model is split into 2D stages. The down pipe runs down the workers and back up (a V: stage s on worker s
@@ -211,7 +212,7 @@ CHIMERA_MODES = ("direct", "doubling", "halving")
 
 
 def chimera(stages: int, microbatches: int, mode: str = "direct", split_backward: bool = False,
-            order_costs: UnitCosts = EQUAL) -> Schedule:
+            order_costs: Costs = EQUAL) -> Schedule:
     """Chimera bidirectional pipelines (Li & Hoefler, SC'21).
 
     Worker w holds stage w of the down pipe and stage D-1-w of the up pipe; N/2 micro-batches go each way.
@@ -284,7 +285,7 @@ def build_schedule(
     data_parallel: int = 1,
     reverse_backward: bool = False,
     split_backward: bool = False,
-    order_costs: UnitCosts | None = None,
+    order_costs: Costs | None = None,
 ) -> Schedule:
     """Build a compute-only schedule by name (``gpipe``, ``1f1b``, ``interleaved``, ``chimera``, ``zb-h1``,
     ``zb-h2``, ``bitpipe``); ``split_backward``: every backward as its parts I and W (Chimera: W filling its bubbles, see
