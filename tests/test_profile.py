@@ -3,6 +3,7 @@ a user chain, the memory probe's process isolation, the CLI, and the local and R
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,3 +206,47 @@ def test_ray_comm_probe_between_workers_on_two_nodes(ray_session):
     while "WorkerActor" in alive_actors(ray_session) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "WorkerActor" not in alive_actors(ray_session)
+
+
+class Stamped(nn.Module):
+    """Appends (process id, start time) of every forward to a file; one of the processes also sleeps in each."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+        import time
+
+        t = time.time()
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()} {t}\n")
+        slow = Path(self.log + ".slow")
+        try:  # the first process to get here is the slow one
+            fd = os.open(slow, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+        except FileExistsError:
+            pass
+        if slow.read_text() == str(os.getpid()):
+            time.sleep(0.02)
+        return self.lin(x)
+
+
+def test_concurrent_profiling_processes_time_each_run_together(tmp_path):
+    """n workers share the cores at once, so the n profiling processes time every run at the same moment:
+    one that runs slower does not drift away from the others (without lock-step it would, by ~20 ms a forward)."""
+    log = str(tmp_path / "stamps")
+    chain = LayerChain([lambda: Stamped(log), lambda: Stamped(log)], nn.functional.mse_loss,
+                       (torch.randn(2, 4), torch.randn(2, 4)), name="stamped")
+    profile_chain(chain, [2], reps=4, warmup=1, threads=1, concurrent=2)
+    stamps: dict[str, list[float]] = {}
+    for line in Path(log).read_text().splitlines():
+        pid, t = line.split()
+        stamps.setdefault(pid, []).append(float(t))
+    a, b = stamps.values()
+    assert len(a) == len(b) > 20
+    drift = max(abs(x - y) for x, y in zip(a, b))
+    assert drift < 0.15, f"the processes drifted {drift:.3f} s apart"

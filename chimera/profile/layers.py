@@ -57,8 +57,8 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
     largest micro-batch size whose whole-chain forward+backward fits is probed first, each size in a fresh
     process (``probe_memory=False`` skips it); on CPU it is not probed. ``concurrent`` > 1: as that many
     workers will share this machine's cores (and their caches and memory bandwidth), profile in that many
-    processes at once and keep the median of each timing; alone, a CPU worker's layers run faster than they
-    will beside the others.
+    processes at once, in lock-step (every timed run starts in all of them together), and keep the median of
+    each timing; alone, a CPU worker's layers run faster than they will beside the others.
     """
     if concurrent > 1:
         return _concurrently(chain, micro_batch_sizes, concurrent,
@@ -111,11 +111,12 @@ def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str,
     """``profile_chain`` in ``n`` processes at once; each timing is the median of theirs."""
     import cloudpickle
 
-    from chimera.runtime.launch import LocalProcesses
+    from chimera.runtime.launch import LocalProcesses, forkserver_context
 
     packed = cloudpickle.dumps((chain, list(sizes), kw))
     results: list[dict[str, Any]] = []
-    with LocalProcesses(_profile_main, [(packed,)] * n, ProfileError, "profiling process") as procs:
+    barrier = forkserver_context().Barrier(n)
+    with LocalProcesses(_profile_main, [(packed, barrier)] * n, ProfileError, "profiling process") as procs:
         for kind, payload in procs.messages(3600, lambda: f"{n - len(results)} of {n} profiles"):
             if kind == "error":
                 raise ProfileError(f"concurrent profiling failed: {payload}")
@@ -134,9 +135,11 @@ def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str,
     return Profile.from_dict(merged)
 
 
-def _profile_main(packed: bytes, out: Any) -> None:
+def _profile_main(packed: bytes, barrier: Any, out: Any) -> None:
     import cloudpickle
 
+    global _pace
+    _pace = lambda: barrier.wait(_PACE_TIMEOUT_S)  # noqa: E731
     try:
         chain, sizes, kw = cloudpickle.loads(packed)
         out.put(("ok", profile_chain(chain, sizes, **kw).to_dict()))
@@ -325,11 +328,25 @@ class LayerRun:
         return tuple(t.detach().to(s.dtype) for t, s in zip(out, specs))
 
 
+_PACE_TIMEOUT_S = 600.0  # a lock-stepped peer that stops answering fails the profile instead of hanging it
+
+
+def _no_pace() -> None:
+    pass
+
+
+_pace: Callable[[], None] = _no_pace  # called before every timed run; lock-steps concurrent profiling processes
+
+
 def measure(fn: Callable[[], float], reps: int, warmup: int) -> Timing:
     """Run ``fn`` ``warmup`` times (discarded), then ``reps`` times: median and 75th-25th percentile spread."""
     for _ in range(warmup):
+        _pace()
         fn()
-    samples = np.array([fn() for _ in range(reps)])
+    samples = []
+    for _ in range(reps):
+        _pace()
+        samples.append(fn())
     q25, q50, q75 = np.percentile(samples, [25, 50, 75])
     return Timing(float(q50), float(q75 - q25), reps)
 
@@ -351,6 +368,7 @@ def optimizer_costs(layer: nn.Module, reps: int = 3) -> tuple[dict[str, int], di
         nbytes[name] = sum(_nbytes(t) for t in tensors(list(opt.state.values())))
         times = []
         for _ in range(reps):
+            _pace()
             t0 = time.perf_counter()
             opt.step()
             if copies[0].is_cuda:
