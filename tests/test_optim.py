@@ -19,7 +19,8 @@ def test_optimizer_selection() -> None:
     lamb = build_optimizer(_params())
     assert isinstance(lamb, Lamb)  # CPU params (and no apex): pytorch_optimizer fallback
     assert lamb.defaults["max_grad_norm"] == 0.0 and lamb.defaults["weight_decay"] == 0.01
-    assert isinstance(build_optimizer(_params(), "adamw", lr=0.1), torch.optim.AdamW)
+    adamw = build_optimizer(_params(), "adamw", lr=0.1)
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["fused"] is True  # CPU: torch's fused kernel
     sgd = build_optimizer(_params(), "sgd", lr=0.5, weight_decay=0.0)
     assert isinstance(sgd, torch.optim.SGD)
     groups = [{"params": _params()[:1]}, {"params": _params()[1:], "weight_decay": 0.0}]

@@ -107,10 +107,13 @@ class StageState:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.tied:  # (offloaded: the sums travel through the device, where the process group works)
-            total = torch.stack([p.grad.to(self.device) for p in self.tied]).sum(0)
+            total = self.tied[0].grad.to(self.device)  # summed in place: one pass per other end, no stacked copy
+            for p in self.tied[1:]:
+                total.add_(p.grad.to(self.device))
             total = self.comm.allreduce(total, self.comm.tied_group, f"tied-weight gradient sum in step {step}")
             for p in self.tied:
-                p.grad.copy_(total)
+                if p.grad is not total:
+                    p.grad.copy_(total)
         norm = 0.0
         if self.clip > 0:
             def allreduce(sq: torch.Tensor) -> torch.Tensor:
