@@ -32,7 +32,7 @@ def _all_cuda(params: list[Any]) -> bool:
 
 def _all_cpu(params: list[Any]) -> bool:
     tensors = _tensors(params)
-    return bool(tensors) and all(t.device.type == "cpu" and t.is_floating_point() for t in tensors)
+    return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
 
 
 def build_optimizer(
@@ -65,8 +65,8 @@ def build_optimizer(
 
         return Lamb(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=0.0)
     if name == "adamw":
-        fused = host or _all_cpu(params)
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None)
+        fused = True if host or _all_cpu(params) else None  # None: torch's default elsewhere
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")

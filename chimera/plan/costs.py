@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from chimera.profile import Profile, ProfileError
+from chimera.profile import CommProfile, Profile, ProfileError
 from chimera.schedule import Costs, Offload, Schedule
 
 
@@ -77,18 +77,15 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     swap_out = [profile.host_out.time(b) for b in sc.param_bytes] if profile.host_out else 0.0
     base = Costs(fwd=fwd, bwd=bwd, wgrad=wgrad, optimizer=optimizer_s, swap_in=swap_in, swap_out=swap_out,
                  copy_overlap=profile.device.startswith("cuda"))
-    comm = profile.comm
-    if comm is not None:
-        base = _with_comm(base, profile, stage_layers, sc, schedule)
+    if profile.comm is not None:
+        base = _with_comm(base, profile, profile.comm, stage_layers, sc, schedule)
     return base.first_stage_whole_backward(len(stage_layers))
 
 
-def _with_comm(base: Costs, profile: Profile, stage_layers: Sequence[Sequence[int]], sc: StageCosts,
-               schedule: Schedule) -> Costs:
+def _with_comm(base: Costs, profile: Profile, comm: CommProfile, stage_layers: Sequence[Sequence[int]],
+               sc: StageCosts, schedule: Schedule) -> Costs:
     """``base`` with the measured links priced: messages, each stage's replica gradient sum, and one synchronous
     sum of the tied parameters over every rank holding either end (added to the optimizer step)."""
-    comm = profile.comm
-    assert comm is not None
     allreduce = []
     for s in range(len(stage_layers)):
         n = schedule.stage_group_size(s)
