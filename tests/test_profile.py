@@ -70,6 +70,28 @@ def test_parameters_and_optimizer_state(bert):
         assert layer.optimizer_bytes["lamb"] >= 2 * layer.param_bytes
 
 
+def test_every_timed_optimizer_step_starts_with_the_caches_evicted(monkeypatch):
+    """In training, a layer's optimizer step follows the forward and backward of the others, which push its
+    tensors out of the cache; each timed step comes right after an eviction that writes more than the cache."""
+    import chimera.profile.timing as timing
+
+    log = []
+    real_evict, real_step = timing.evict_caches, torch.optim.AdamW.step
+
+    def evict(device):
+        log.append("evict")
+        real_evict(device)
+
+    monkeypatch.setattr(timing, "evict_caches", evict)
+    monkeypatch.setattr(timing, "OPTIMIZERS", ("adamw",))
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: (log.append("step"), real_step(self))[1])
+    _, seconds = timing.optimizer_costs(nn.Linear(64, 64), reps=3)
+    assert seconds["adamw"] > 0
+    assert log == ["step"] + ["evict", "step"] * 3  # the first step (state creation) is not timed
+    buf = timing._buffers[torch.device("cpu")]
+    assert buf.numel() * 4 >= min(max(timing._host_cache_bytes(), timing.HOST_EVICT_MIN), timing.HOST_EVICT_MAX)
+
+
 def test_metadata(bert):
     chain, prof = bert
     assert (prof.model, prof.fingerprint, prof.device, prof.dtype) == ("bert-tiny", fingerprint(chain), "cpu", "float32")

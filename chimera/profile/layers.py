@@ -32,7 +32,6 @@ from torch import nn
 import chimera
 from chimera.microbatch import map_tensors, repeated, tensors
 from chimera.models.chain import LayerChain, TensorSpec, as_tuple, call
-from chimera.optim import OPTIMIZERS, build_optimizer
 from chimera.profile.comm import measure_host_links
 from chimera.profile.format import (
     CommProfile,
@@ -43,6 +42,7 @@ from chimera.profile.format import (
     Timing,
     fingerprint,
 )
+from chimera.profile.timing import PACE_TIMEOUT_S, evict_caches, measure, optimizer_costs, set_pace
 from chimera.runtime.host_memory import keep_freed_memory
 
 BACKWARDS = {"backward_input": (True, False), "backward_weight": (False, True), "backward": (True, True)}
@@ -138,8 +138,7 @@ def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str,
 def _profile_main(packed: bytes, barrier: Any, out: Any) -> None:
     import cloudpickle
 
-    global _pace
-    _pace = lambda: barrier.wait(_PACE_TIMEOUT_S)  # noqa: E731
+    set_pace(lambda: barrier.wait(PACE_TIMEOUT_S))
     try:
         chain, sizes, kw = cloudpickle.loads(packed)
         out.put(("ok", profile_chain(chain, sizes, **kw).to_dict()))
@@ -229,9 +228,15 @@ class LayerRun:
             self._grad_out = [torch.randn(t.shape, generator=gen).to(self.device, t.dtype) for t in outs]
         return outs, self._grad_out
 
+    def start_cold(self) -> None:
+        """Before a timed run: evict the caches (in training, other layers ran since this one's weights and
+        activations were last touched) and wait for the device."""
+        evict_caches(self.device)
+        self.sync()
+
     def time_forward(self) -> float:
         x, _ = self.leaves()
-        self.sync()
+        self.start_cold()
         t0 = time.perf_counter()
         out = self.forward(x)
         self.sync()
@@ -244,7 +249,7 @@ class LayerRun:
         x, _ = self.leaves()
         cuda = self.device.type == "cuda"
         state = torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None
-        self.sync()
+        self.start_cold()
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=[self.device] if cuda else []):
             torch.set_rng_state(state[0])
@@ -272,7 +277,7 @@ class LayerRun:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        self.sync()
+        self.start_cold()
         t0 = time.perf_counter()
         torch.autograd.backward(outs, grads, inputs=targets)
         self.sync()
@@ -326,57 +331,6 @@ class LayerRun:
         with torch.no_grad(), self.autocast():
             out = as_tuple(call(self.layer, self.x))
         return tuple(t.detach().to(s.dtype) for t, s in zip(out, specs))
-
-
-_PACE_TIMEOUT_S = 600.0  # a lock-stepped peer that stops answering fails the profile instead of hanging it
-
-
-def _no_pace() -> None:
-    pass
-
-
-_pace: Callable[[], None] = _no_pace  # called before every timed run; lock-steps concurrent profiling processes
-
-
-def measure(fn: Callable[[], float], reps: int, warmup: int) -> Timing:
-    """Run ``fn`` ``warmup`` times (discarded), then ``reps`` times: median and 75th-25th percentile spread."""
-    for _ in range(warmup):
-        _pace()
-        fn()
-    samples = []
-    for _ in range(reps):
-        _pace()
-        samples.append(fn())
-    q25, q50, q75 = np.percentile(samples, [25, 50, 75])
-    return Timing(float(q50), float(q75 - q25), reps)
-
-
-def optimizer_costs(layer: nn.Module, reps: int = 3) -> tuple[dict[str, int], dict[str, float]]:
-    """For every optimizer in ``OPTIMIZERS``, on a copy of ``layer``'s parameters: the bytes of its state after a
-    step, and the median seconds of a step (the first, which creates the state, not counted)."""
-    params = [p for p in layer.parameters() if p.requires_grad]
-    nbytes, seconds = {}, {}
-    for name in OPTIMIZERS:
-        if not params:
-            nbytes[name], seconds[name] = 0, 0.0
-            continue
-        copies = [p.detach().clone().requires_grad_(True) for p in params]
-        for c in copies:
-            c.grad = torch.full_like(c, 1e-3)
-        opt = build_optimizer(copies, name)
-        opt.step()
-        nbytes[name] = sum(_nbytes(t) for t in tensors(list(opt.state.values())))
-        times = []
-        for _ in range(reps):
-            _pace()
-            t0 = time.perf_counter()
-            opt.step()
-            if copies[0].is_cuda:
-                torch.cuda.synchronize(copies[0].device)
-            times.append(time.perf_counter() - t0)
-        seconds[name] = float(np.median(times))
-        del opt, copies
-    return nbytes, seconds
 
 
 def _nbytes(t: torch.Tensor) -> int:
