@@ -51,24 +51,24 @@ def reference(schedule, costs):
                     for res in spec.produces:
                         if res in awaited:
                             done.update({Msg(res, a.pipe, a.stage, m): end for m in a.microbatches})
-                elif spec.role is Role.SEND:
+                elif spec.role is Role.SEND:  # busy posting it, then the message leaves
                     key = message(a.kind, a.pipe, a.stage, a.microbatch)[0]
-                    done[("msg", key)] = now + costs.message(key)
-                    start = end = now
-                elif spec.role is Role.RECV:
+                    start, end = now, now + costs.p2p_busy
+                    done[("msg", key)] = end + costs.message(key)
+                elif spec.role is Role.RECV:  # waits for the message, then busy completing it
                     key = ("msg", message(a.kind, a.pipe, a.stage, a.microbatch)[0])
                     if key not in done:
                         break
-                    start, end = now, max(now, done[key])
+                    start, end = now, max(now, done[key]) + costs.p2p_busy
                 elif spec.role is Role.SYNC_START:
-                    arrivals[a.stage].append(now)
+                    start, end = now, now + costs.stage_value(costs.sync_start, a.stage)
+                    arrivals[a.stage].append(end)
                     if len(arrivals[a.stage]) == replicas[a.stage]:
                         done[("AR", a.stage)] = max(arrivals[a.stage]) + costs.stage_value(costs.allreduce, a.stage)
-                    start = end = now
                 elif spec.role is Role.SYNC_WAIT:
                     if ("AR", a.stage) not in done:
                         break
-                    start, end = now, max(now, done[("AR", a.stage)])
+                    start, end = now, max(now, done[("AR", a.stage)]) + costs.stage_value(costs.sync_wait, a.stage)
                 else:
                     start, end = now, now + costs.of(a, scale)
                 starts[w][pc[w]], ends[w][pc[w]] = start, end
@@ -108,6 +108,8 @@ def cases(draw):
     per_stage = st.one_of(value, st.lists(value, min_size=stages, max_size=stages))
     costs = Costs(fwd=draw(per_stage), bwd=draw(per_stage), p2p_latency=draw(value), allreduce=draw(per_stage),
                   optimizer=draw(value))
+    if draw(st.booleans()):  # communication that also occupies the worker
+        costs = dataclasses.replace(costs, p2p_busy=draw(value), sync_start=draw(per_stage), sync_wait=draw(per_stage))
     return s, costs
 
 
@@ -192,3 +194,15 @@ def test_a_role_without_replay_rule_is_refused(monkeypatch):
     monkeypatch.setitem(SPECS, Kind.OPTIMIZER_STEP, dataclasses.replace(spec, role="teleport"))
     with pytest.raises(ValueError, match="no rule for the role"):
         Plan(build_schedule("1f1b", 2, 2))
+
+
+def test_communication_busy_time_occupies_the_worker():
+    """1F1B, D = 2, one micro-batch: each of the 4 sends and receives on the critical path adds its busy time,
+    a send's message leaving only after it; a gradient sum's start and wait add theirs on both replicas."""
+    s = lower(build_schedule("1f1b", 2, 1))
+    assert simulate(s, Costs(fwd=1, bwd=1)).makespan == 4
+    assert simulate(s, Costs(fwd=1, bwd=1, p2p_busy=1)).makespan == 8
+    assert simulate(s, Costs(fwd=1, bwd=1, p2p_busy=1, p2p_latency=2)).makespan == 12
+    dp = lower(build_schedule("1f1b", 1, 1, data_parallel=2))
+    assert simulate(dp, Costs(fwd=1, bwd=1, allreduce=3)).makespan == 5
+    assert simulate(dp, Costs(fwd=1, bwd=1, allreduce=3, sync_start=[1], sync_wait=[2])).makespan == 8

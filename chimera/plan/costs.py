@@ -12,7 +12,9 @@ profiled p2p link for the bytes the sending stage outputs; a stage's gradient su
 its group for its parameter bytes, less the parameters tied to another stage: those are summed in the optimizer
 step over every rank holding either end (the runtime's tied-weight sum), which the step's cost includes. A swap
 (offload) costs the profiled host <-> device copy of the stage's parameter bytes (free when the profile has no
-copy measurement); on GPU swap-ins run beside compute (a copy stream).
+copy measurement); on GPU swap-ins run beside compute (a copy stream). On CPU (gloo), communication also takes
+the workers' own time: every send and receive the link's fixed cost, a gradient sum's packing and unpacking
+copies (:func:`_host_busy`).
 """
 
 from __future__ import annotations
@@ -97,7 +99,21 @@ def _with_comm(base: Costs, profile: Profile, comm: CommProfile, stage_layers: S
         ranks = {r for s in tied_stages for r in schedule.stage_group(s)}
         optimizer_s += _allreduce_link(profile, len(ranks)).time(max(sc.tied_bytes))
     return replace(base, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes, p2p_bandwidth=comm.p2p.bandwidth_Bps,
-                   allreduce=allreduce, optimizer=optimizer_s)
+                   allreduce=allreduce, optimizer=optimizer_s, **_host_busy(profile, comm, sc, allreduce))
+
+
+def _host_busy(profile: Profile, comm: CommProfile, sc: StageCosts, allreduce: list[float]) -> dict[str, object]:
+    """Worker time of communication where it runs on the workers' own cores (gloo on CPU): each send and receive
+    the link's fixed cost (the process posts and completes it), a gradient sum's start one copy of its bucket
+    (packing) plus that fixed cost, its wait two and a half (adding the peer's bucket, unpacking). On GPU the
+    copies are device kernels and NCCL posts asynchronously: no worker time."""
+    if comm.backend != "gloo" or not profile.device.startswith("cpu") or profile.host_out is None:
+        return {}
+    copy = profile.host_out  # on CPU: a cold copy between two host tensors
+    buckets = [b - t for b, t in zip(sc.param_bytes, sc.tied_bytes)]
+    start = [copy.time(b) + comm.p2p.latency_s if a else 0.0 for b, a in zip(buckets, allreduce)]
+    wait = [2.5 * copy.time(b) if a else 0.0 for b, a in zip(buckets, allreduce)]
+    return {"p2p_busy": comm.p2p.latency_s, "sync_start": start, "sync_wait": wait}
 
 
 def _packed(profile: Profile, stage_layers: Sequence[Sequence[int]], sc: StageCosts, offload: Offload,

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from chimera.profile.format import CommProfile, Link, ProfileError
+from chimera.profile.timing import evict_caches
 
 #: message sizes in bytes: 1 KiB, 4 KiB, ..., 16 MiB
 SIZES = tuple(1024 * 4**k for k in range(8))
@@ -179,7 +180,8 @@ def measure_comm_local(world: int = 2, backend: str = "gloo", *, sizes: Sequence
 def measure_host_links(device: str = "cpu", sizes: Sequence[int] = (2**16, 2**20, 2**22, 2**24), reps: int = 3
                        ) -> tuple[Link, Link]:
     """Host -> device and device -> host copy time (``latency + bytes / bandwidth``), as offload's swaps copy:
-    from pinned host memory on GPU; on CPU a copy into a distinct tensor (the host store's "device" copy)."""
+    from pinned host memory on GPU; on CPU a copy into a distinct tensor (the host store's "device" copy, and
+    the copy the gradient sums pack and unpack with), each from cold caches."""
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     into, out = [], []
@@ -189,8 +191,7 @@ def measure_host_links(device: str = "cpu", sizes: Sequence[int] = (2**16, 2**20
         on_device = torch.empty_like(host, device=dev)
         for samples, dst, src in ((into, on_device, host), (out, host, on_device)):
             for _ in range(reps + 1):
-                if cuda:
-                    torch.cuda.synchronize(dev)
+                evict_caches(dev)  # as in training, where the copied tensors were not just touched
                 t0 = time.perf_counter()
                 dst.copy_(src)
                 if cuda:

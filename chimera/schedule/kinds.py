@@ -128,6 +128,9 @@ class KindSpec:
             free).
         part_of: a ``once`` kind this kind is one part of: per micro-batch, either that kind runs once or each of
             its parts runs once.
+        busy: for a communication kind, the :class:`~chimera.schedule.simulate.Costs` field of the worker time it
+            takes (posting and completing a message, packing and unpacking a gradient sum) beside the delay that
+            ``cost`` names.
     """
 
     name: str
@@ -142,6 +145,7 @@ class KindSpec:
     peer: int = 0
     cost: str | tuple[str, ...] | None = None
     part_of: Kind | None = None
+    busy: str | None = None
 
 
 SPECS: dict[Kind, KindSpec] = {
@@ -153,13 +157,18 @@ SPECS: dict[Kind, KindSpec] = {
                      produces=(Res.GRAD, Res.WKEEP), releases=(Res.STASH,), once=True, cost="bwd", part_of=Kind.B),
     Kind.W: KindSpec("weight-gradient backward", "W", Role.COMPUTE, consumes=(Use(Res.WKEEP),), produces=(Res.WGRAD,),
                      releases=(Res.WKEEP,), once=True, cost="wgrad", part_of=Kind.B),
-    Kind.SEND_ACT: KindSpec("activation send", "SEND_F", Role.SEND, carries=Res.ACT, peer=+1, cost="message"),
-    Kind.RECV_ACT: KindSpec("activation receive", "RECV_F", Role.RECV, carries=Res.ACT, peer=-1, cost="message"),
-    Kind.SEND_GRAD: KindSpec("gradient send", "SEND_B", Role.SEND, carries=Res.GRAD, peer=-1, cost="message"),
-    Kind.RECV_GRAD: KindSpec("gradient receive", "RECV_B", Role.RECV, carries=Res.GRAD, peer=+1, cost="message"),
+    Kind.SEND_ACT: KindSpec("activation send", "SEND_F", Role.SEND, carries=Res.ACT, peer=+1, cost="message",
+                            busy="p2p_busy"),
+    Kind.RECV_ACT: KindSpec("activation receive", "RECV_F", Role.RECV, carries=Res.ACT, peer=-1, cost="message",
+                            busy="p2p_busy"),
+    Kind.SEND_GRAD: KindSpec("gradient send", "SEND_B", Role.SEND, carries=Res.GRAD, peer=-1, cost="message",
+                             busy="p2p_busy"),
+    Kind.RECV_GRAD: KindSpec("gradient receive", "RECV_B", Role.RECV, carries=Res.GRAD, peer=+1, cost="message",
+                             busy="p2p_busy"),
     Kind.ALLREDUCE_START: KindSpec("gradient allreduce start", "AR_START", Role.SYNC_START, Address.STAGE, consumes=(Use(Res.WGRAD),),
-                                   cost="allreduce"),
-    Kind.ALLREDUCE_WAIT: KindSpec("gradient allreduce wait", "AR_WAIT", Role.SYNC_WAIT, Address.STAGE),
+                                   cost="allreduce", busy="sync_start"),
+    Kind.ALLREDUCE_WAIT: KindSpec("gradient allreduce wait", "AR_WAIT", Role.SYNC_WAIT, Address.STAGE,
+                                  busy="sync_wait"),
     Kind.OPTIMIZER_STEP: KindSpec("optimizer step", "OPT", Role.UPDATE, Address.NONE, cost="optimizer"),
     # offload (chimera.schedule.lowering.add_offload): the host holds the current weights, so a swap-out only
     # releases the device copy; gradients move out and are summed on the host

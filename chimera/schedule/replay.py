@@ -6,15 +6,17 @@ It runs every worker's list in order, as the runtime would, and times each actio
   the worker is free and the resources it consumes exist. In a compute-only schedule a resource made on
   another worker arrives ``p2p(...)`` after it was made; in a lowered schedule it comes through the
   receive actions instead.
-* Sends are non-blocking: the message leaves when the worker reaches the send and arrives ``p2p(...)``
-  later. A receive blocks until its message has arrived. (The runtime posts a run of consecutive
+* Sends are non-blocking: the message leaves when the worker has spent the send's busy time (posting it;
+  0 unless the costs say) and arrives ``p2p(...)`` later. A receive blocks until its message has arrived,
+  then takes its busy time. (The runtime posts a run of consecutive
   send/recv actions as one batch, keeps the send handles and waits only for the receives; NCCL/gloo
   match messages of one channel in order, which the validator checks separately.)
 * A swap (role ``copy``) occupies its worker for its cost, like the optimizer step. A swap-in (role
   ``prefetch``) does too, unless the costs say copies run beside compute (``Costs.copy_overlap``, a GPU copy
   stream): then it takes no worker time and the stage's next compute on the worker waits until it has ended.
-* ALLREDUCE_START is non-blocking; the allreduce of a stage ends ``allreduce(stage)`` after the last
-  replica started it. ALLREDUCE_WAIT blocks until then.
+* ALLREDUCE_START is non-blocking (it takes its busy time, packing the gradients); the allreduce of a stage
+  ends ``allreduce(stage)`` after the last replica started it. ALLREDUCE_WAIT blocks until then, then takes
+  its busy time (unpacking the sum).
 
 Whether an action can run depends on which actions have run, never on when, so a schedule is replayed
 once without times into a :class:`Plan`: the order in which the actions ran, and for each action the
@@ -49,7 +51,7 @@ class Plan:
     Action ``schedule.actions[w][i]`` has the flat index ``bounds[w] + i``. Delay slot 0 is free, slot
     ``1 + s`` is the allreduce of stage s, slot ``1 + stages + s`` a swap-in of stage s beside compute, slot
     ``1 + 2 stages + k`` the message ``messages[k]`` (one per resource, pipe and stage that sends). Duration slot 0 is free, slot ``1 + k`` is what action
-    ``durations[k]`` costs (one per kind, stage and count among the compute and update actions).
+    ``durations[k]`` costs (one per kind, stage and count).
     """
 
     def __init__(self, schedule: Schedule) -> None:
@@ -77,9 +79,9 @@ class Plan:
     def times(self, duration: Sequence[Num], delay: Sequence[Num]) -> tuple[list[Num], list[Num]]:
         """Start and end of every action (flat indices), given each duration slot's and delay slot's value.
 
-        A compute or update action starts when the worker is free and what it waits for is there (plus the
-        delay); a send or sync start takes no time; a blocking action starts when the worker reaches it and
-        ends when what it waits for is there.
+        A compute, update, send or sync start starts when the worker is free and what it waits for is there
+        (plus the delay); a blocking action starts when the worker reaches it and ends its duration after what
+        it waits for is there.
         """
         if self._stuck:
             raise ValueError("a stuck plan has no times")
@@ -125,7 +127,6 @@ class _Track:
 
 
 Deps = tuple[tuple[int, int], ...]
-_FREE: tuple[Deps, int] = ((), 0)
 
 
 class _Build:
@@ -286,24 +287,24 @@ class _Build:
             template = self.templates[(a.kind, a.pipe, a.stage)] = (self._track(_MSG, *key[:3]), self._message(key))
         return template
 
-    def _send(self, w: int, i: int, a: Action) -> tuple[Deps, int]:  # leaves now, arrives p2p() later
+    def _send(self, w: int, i: int, a: Action) -> tuple[Deps, int]:  # leaves after its busy time, arrives p2p() later
         track, delay = self._message_template(a)
         self._finish(track, a.microbatch, (i, delay))
-        return _FREE
+        return (), self._duration(a)
 
     def _recv(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
         track, _ = self._message_template(a)
         sent = track.made.get(a.microbatch)
         if sent is None:
             return self._block(w, track, a.microbatch)
-        return (sent,), 0
+        return (sent,), self._duration(a)
 
     def _sync_start(self, w: int, i: int, a: Action) -> tuple[Deps, int]:
         started = self.joins.setdefault(a.stage, [])
         started.append(i)
         if len(started) == self.replicas.get(a.stage):
             self._finish(self._track(_AR), a.stage, tuple(started))
-        return _FREE
+        return (), self._duration(a)
 
     def _sync_wait(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
         track = self._track(_AR)
@@ -311,7 +312,7 @@ class _Build:
         if started is None:
             return self._block(w, track, a.stage)
         self.synced.add(a.stage)
-        return tuple((j, 1 + a.stage) for j in started), 0
+        return tuple((j, 1 + a.stage) for j in started), self._duration(a)
 
     def _update(self, w: int, i: int, a: Action) -> tuple[Deps, int]:
         return (), self._duration(a)

@@ -52,6 +52,11 @@ class Costs:
     ``optimizer`` is the optimizer step; ``swap_in`` / ``swap_out`` (per stage) a stage replica's weights
     host -> device and gradients device -> host (offload). ``copy_overlap``: swap-ins run beside compute (a GPU
     copy stream) instead of occupying the worker (CPU).
+
+    Worker time of communication (the kinds table's ``busy`` column): ``p2p_busy`` per send and per receive
+    (posting it and completing it; a message leaves when its send's busy time ends, a receive is busy after its
+    message arrived), ``sync_start`` / ``sync_wait`` per stage for a gradient sum's start (packing the
+    gradients) and wait (unpacking the sum). All default to 0: communication that only delays.
     """
 
     fwd: Num | Sequence[Num] = 1
@@ -65,6 +70,9 @@ class Costs:
     swap_in: Num | Sequence[Num] = 0
     swap_out: Num | Sequence[Num] = 0
     copy_overlap: bool = False
+    p2p_busy: Num = 0
+    sync_start: Num | Sequence[Num] = 0
+    sync_wait: Num | Sequence[Num] = 0
 
     def stage_value(self, value: Num | Sequence[Num], stage: int) -> Num:
         return value[stage] if isinstance(value, Sequence) else value
@@ -83,6 +91,12 @@ class Costs:
             return value
         v = value * a.count
         return v if scale == 1 else v * scale
+
+    def worker_time(self, a: Action, scale: Num = 1) -> Num:
+        """How long ``a`` occupies its worker: a communication kind its ``busy`` field (its delay is what
+        :meth:`of` charges), any other kind :meth:`of`."""
+        busy = SPECS[a.kind].busy
+        return self.stage_value(getattr(self, busy), a.stage) if busy is not None else self.of(a, scale)
 
     def first_stage_whole_backward(self, stages: int) -> Costs:
         """These costs as the runtime splits a backward over ``stages`` stages: the first stage's inputs are data,
@@ -223,7 +237,8 @@ class Simulator:
         c = costs or Costs()
         p = self._plan
         beside = c.copy_overlap  # a prefetch's cost moves from the worker to the wait of the compute after it
-        duration = [0, *(0 if beside and SPECS[a.kind].role is Role.PREFETCH else c.of(a, self.schedule.microbatch_scale)
+        duration = [0, *(0 if beside and SPECS[a.kind].role is Role.PREFETCH
+                         else c.worker_time(a, self.schedule.microbatch_scale)
                          for a in p.durations)]
         allreduce = [0] * p.stages
         for s in p.synced:
