@@ -259,11 +259,13 @@ class Stamped(nn.Module):
 
 def test_concurrent_profiling_processes_time_each_run_together(tmp_path):
     """n workers share the cores at once, so the n profiling processes time every run at the same moment:
-    one that runs slower does not drift away from the others (without lock-step it would, by ~20 ms a forward)."""
+    one that runs slower does not drift away from the others (without lock-step it would, by ~20 ms a forward).
+    The profile is the slow process's: a synchronous step waits for its slowest worker."""
     log = str(tmp_path / "stamps")
     chain = LayerChain([lambda: Stamped(log), lambda: Stamped(log)], nn.functional.mse_loss,
                        (torch.randn(2, 4), torch.randn(2, 4)), name="stamped")
-    profile_chain(chain, [2], reps=4, warmup=1, threads=1, concurrent=2)
+    prof = profile_chain(chain, [2], reps=4, warmup=1, threads=1, concurrent=2)
+    assert all(layer.costs[2].forward.median_s >= 0.02 for layer in prof.layers)  # the sleeping process's
     stamps: dict[str, list[float]] = {}
     for line in Path(log).read_text().splitlines():
         pid, t = line.split()

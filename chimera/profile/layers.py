@@ -57,8 +57,9 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
     largest micro-batch size whose whole-chain forward+backward fits is probed first, each size in a fresh
     process (``probe_memory=False`` skips it); on CPU it is not probed. ``concurrent`` > 1: as that many
     workers will share this machine's cores (and their caches and memory bandwidth), profile in that many
-    processes at once, in lock-step (every timed run starts in all of them together), and keep the median of
-    each timing; alone, a CPU worker's layers run faster than they will beside the others.
+    processes at once, in lock-step (every timed run starts in all of them together), and keep the timings of
+    the slowest process: alone, a CPU worker's layers run faster than they will beside the others, and a
+    synchronous step waits for its slowest worker (the cores a machine shares out are not equally fast).
     """
     if concurrent > 1:
         return _concurrently(chain, micro_batch_sizes, concurrent,
@@ -108,7 +109,7 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
 
 
 def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str, Any]) -> Profile:
-    """``profile_chain`` in ``n`` processes at once; each timing is the median of theirs."""
+    """``profile_chain`` in ``n`` processes at once; the profile of the slowest (largest summed timings)."""
     import cloudpickle
 
     from chimera.runtime.launch import LocalProcesses, forkserver_context
@@ -124,15 +125,19 @@ def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str,
             if len(results) == n:
                 procs.finished = True
                 break
-    merged = results[0]
-    for li, layer in enumerate(merged["layers"]):
-        for b, cost in layer["costs"].items():
-            for k in ("forward", "backward_input", "backward_weight", "backward", "recompute"):
-                cost[k]["median_s"] = float(np.median([r["layers"][li]["costs"][b][k]["median_s"] for r in results]))
-        for name in layer["optimizer_s"]:
-            layer["optimizer_s"][name] = float(np.median([r["layers"][li]["optimizer_s"][name] for r in results]))
-    merged["notes"].append(f"profiled in {n} processes at once (as {n} workers share this machine); medians of theirs")
+    totals = [_total_seconds(r) for r in results]
+    slowest = int(np.argmax(totals))
+    merged = results[slowest]
+    merged["notes"].append(f"profiled in {n} processes at once (as {n} workers share this machine); the timings of "
+                           f"the slowest (totals {', '.join(f'{t:.4f}' for t in totals)} s)")
     return Profile.from_dict(merged)
+
+
+def _total_seconds(profile: dict[str, Any]) -> float:
+    """All of a profile's median timings and optimizer steps, summed (how fast its process ran)."""
+    return sum(t["median_s"] for layer in profile["layers"] for cost in layer["costs"].values()
+               for t in cost.values() if isinstance(t, dict)) + sum(
+        s for layer in profile["layers"] for s in layer["optimizer_s"].values())
 
 
 def _profile_main(packed: bytes, barrier: Any, out: Any) -> None:
