@@ -5,7 +5,8 @@
    2 workers and a global batch, and the best four are trained with ``run_local``; measured = median of the
    workers' step time (max over ranks) over steps 2..n. The machine's speed drifts (up to 1.5x within minutes
    on a small virtual machine), so in each of ``--rounds`` rounds every configuration is profiled again right
-   before it is trained, and the check reads the median of the per-round ratios.
+   before and right after it is trained (the prediction: the mean of the two), and the check reads the median
+   of the per-round ratios.
 2. ``heavy``: a chain of sleeping layers, one of them five times heavier: the planned partition against the
    uniform one (1F1B, D = 2): measured margin vs the simulator's predicted margin. Sleeping layers make the
    step independent of how the two cores are shared.
@@ -55,12 +56,18 @@ def simulated(prof: Any, job: Any) -> Any:
                                                   t.optimizer))
 
 
+def predicted_step(chain: LayerChain, job: Any, reps: int, comm: Any) -> float:
+    """A fresh profile at the job's unit size (two processes in lock-step, as its two workers), simulated."""
+    prof = profile_chain(chain, [job.unit_size], reps=reps, warmup=2, threads=1, comm=comm, concurrent=2)
+    return float(simulated(prof, job).makespan)
+
+
 def accuracy(steps: int, reps: int, rounds: int) -> list[str]:
     """Predicted vs measured for the planner's best four configurations per model, in ``rounds`` rounds. The
-    configurations are planned once, from a first profile; then every round profiles again right before it
-    trains each configuration (its own unit size), so that a prediction and its measurement are seconds apart on
-    a machine whose speed drifts over minutes. The table gives each side's median over rounds and the median of
-    the per-round ratios."""
+    configurations are planned once, from a first profile; then every round profiles each configuration (its own
+    unit size) right before and right after training it, and predicts with the mean of the two, so that the
+    prediction brackets its measurement in time on a machine whose speed drifts within seconds. The table gives
+    each side's median over rounds and the median of the per-round ratios."""
     rows = ["| model | schedule | D | W | B | N | partition | predicted s (median) | measured s (median) | "
             "median of per-round measured / predicted | per-round ratios |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     comm = measure_comm_local(2)
@@ -76,9 +83,9 @@ def accuracy(steps: int, reps: int, rounds: int) -> list[str]:
         for r in range(rounds):
             for k, (_, cfg) in enumerate(chosen):
                 job = cfg.check()
-                prof = profile_chain(chain, [job.unit_size], reps=reps, warmup=2, threads=1, comm=comm, concurrent=2)
-                pred.setdefault(k, []).append(float(simulated(prof, job).makespan))
+                before = predicted_step(chain, job, reps, comm)
                 meas.setdefault(k, []).append(measured_step(cfg))
+                pred.setdefault(k, []).append((before + predicted_step(chain, job, reps, comm)) / 2)
                 print(f"  round {r} {name} #{k}: predicted {pred[k][-1]:.4f} measured {meas[k][-1]:.4f}", flush=True)
         for k, (e, cfg) in enumerate(chosen):
             c, p, m = e.candidate, statistics.median(pred[k]), statistics.median(meas[k])
