@@ -76,6 +76,35 @@ def test_a_heavy_layer_moves_the_boundary():
     assert planned.sizes[0] < 4 and planned.step_s <= uniform.step_s
 
 
+def test_communication_on_cpu_gloo_takes_worker_time():
+    """On CPU with gloo the workers' own cores move the messages and pack the gradient sums: sends and receives
+    cost the link's fixed time, a sum's start one bucket copy plus it and its wait 2.5 copies, and a worker holding
+    both ends of a tied pair adds them and copies the sum back in the optimizer step. Not on GPU (NCCL)."""
+    import dataclasses
+
+    from chimera.profile import Link
+
+    layers = [layer(i, 0.01, 4_000_000 if i in (0, 3) else 1_000_000, 1000, 100, SIZES) for i in range(4)]
+    layers[0] = dataclasses.replace(layers[0], tied={3: 2_000_000})
+    layers[3] = dataclasses.replace(layers[3], tied={0: 2_000_000})
+    copy = Link(1e-5, 1e9)
+    cpu = dataclasses.replace(profile(layers, SIZES), host_out=copy)
+    cpu = dataclasses.replace(cpu, comm=dataclasses.replace(cpu.comm, backend="gloo"))
+    sched = build_schedule("chimera", 2, 2)
+    stage_layers = layers_of([2, 2])
+    c = simulator_costs(cpu, stage_layers, 1, False, sched, "adamw")
+    latency = cpu.comm.p2p.latency_s
+    buckets = [5_000_000 - 2_000_000, 5_000_000 - 2_000_000]
+    assert c.p2p_busy == latency
+    assert c.sync_start == pytest.approx([copy.time(b) + latency for b in buckets])
+    assert c.sync_wait == pytest.approx([2.5 * copy.time(b) for b in buckets])
+    gpu = dataclasses.replace(cpu, device="cuda", comm=dataclasses.replace(cpu.comm, backend="nccl"))
+    g = simulator_costs(gpu, stage_layers, 1, False, sched, "adamw")
+    assert (g.p2p_busy, g.sync_start, g.sync_wait) == (0, 0, 0)
+    assert c.optimizer - g.optimizer == pytest.approx(2.5 * copy.time(2_000_000))  # each worker holds both ends
+    assert simulate(lower(sched), c).makespan > simulate(lower(sched), g).makespan
+
+
 def test_chimera_partition_beats_balanced_pairs_and_uniform():
     """Stage i and stage D-1-i share a worker, so balancing single stages is not the goal; balancing the pairs is
     a good start, and the simulated step decides the rest (here it is shorter than both)."""

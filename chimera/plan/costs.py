@@ -10,7 +10,8 @@ profiled weight-gradient part is what a split backward's W costs and the rest wh
 costs both, as profiled). A message costs the
 profiled p2p link for the bytes the sending stage outputs; a stage's gradient sum the profiled allreduce over
 its group for its parameter bytes, less the parameters tied to another stage: those are summed in the optimizer
-step over every rank holding either end (the runtime's tied-weight sum), which the step's cost includes. A swap
+step over every rank holding either end (the runtime's tied-weight sum), which the step's cost includes (with,
+on CPU, the adds of a worker's own ends and the copy of the sum back). A swap
 (offload) costs the profiled host <-> device copy of the stage's parameter bytes (free when the profile has no
 copy measurement); on GPU swap-ins run beside compute (a copy stream). On CPU (gloo), communication also takes
 the workers' own time: every send and receive the link's fixed cost, a gradient sum's packing and unpacking
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from chimera.profile import CommProfile, Profile, ProfileError
+from chimera.profile import CommProfile, Link, Profile, ProfileError
 from chimera.schedule import Costs, Offload, Schedule
 
 
@@ -95,21 +96,30 @@ def _with_comm(base: Costs, profile: Profile, comm: CommProfile, stage_layers: S
         allreduce.append(_allreduce_link(profile, n).time(bucket) if n > 1 and bucket > 0 else 0.0)
     optimizer_s = base.optimizer
     tied_stages = [s for s, b in enumerate(sc.tied_bytes) if b]
+    copy = _host_copy(profile, comm)
     if tied_stages:
         ranks = {r for s in tied_stages for r in schedule.stage_group(s)}
         optimizer_s += _allreduce_link(profile, len(ranks)).time(max(sc.tied_bytes))
+        if copy is not None:  # a worker holding k ends adds k - 1 into the first and copies the sum back
+            ends = max(sum(s in tied_stages for _, s in schedule.stages_of(w)) for w in range(schedule.workers))
+            optimizer_s += 2.5 * (ends - 1) * copy.time(max(sc.tied_bytes))
+    busy = _host_busy(copy, comm, sc, allreduce) if copy is not None else {}
     return replace(base, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes, p2p_bandwidth=comm.p2p.bandwidth_Bps,
-                   allreduce=allreduce, optimizer=optimizer_s, **_host_busy(profile, comm, sc, allreduce))
+                   allreduce=allreduce, optimizer=optimizer_s, **busy)
 
 
-def _host_busy(profile: Profile, comm: CommProfile, sc: StageCosts, allreduce: list[float]) -> dict[str, object]:
-    """Worker time of communication where it runs on the workers' own cores (gloo on CPU): each send and receive
-    the link's fixed cost (the process posts and completes it), a gradient sum's start one copy of its bucket
-    (packing) plus that fixed cost, its wait two and a half (adding the peer's bucket, unpacking). On GPU the
-    copies are device kernels and NCCL posts asynchronously: no worker time."""
-    if comm.backend != "gloo" or not profile.device.startswith("cpu") or profile.host_out is None:
-        return {}
-    copy = profile.host_out  # on CPU: a cold copy between two host tensors
+def _host_copy(profile: Profile, comm: CommProfile) -> Link | None:
+    """Where communication runs on the workers' own cores (gloo on CPU), the cold copy between two host tensors
+    that packs and unpacks gradient sums; None on GPU, where the copies are device kernels."""
+    if comm.backend != "gloo" or not profile.device.startswith("cpu"):
+        return None
+    return profile.host_out
+
+
+def _host_busy(copy: Link, comm: CommProfile, sc: StageCosts, allreduce: list[float]) -> dict[str, object]:
+    """Worker time of communication on the workers' own cores: each send and receive the link's fixed cost (the
+    process posts and completes it), a gradient sum's start one copy of its bucket (packing) plus that fixed
+    cost, its wait two and a half (adding the peer's bucket, unpacking). NCCL posts asynchronously: none there."""
     buckets = [b - t for b, t in zip(sc.param_bytes, sc.tied_bytes)]
     start = [copy.time(b) + comm.p2p.latency_s if a else 0.0 for b, a in zip(buckets, allreduce)]
     wait = [2.5 * copy.time(b) if a else 0.0 for b, a in zip(buckets, allreduce)]
