@@ -26,6 +26,9 @@ from dataclasses import dataclass, replace
 from chimera.profile import CommProfile, Link, Profile, ProfileError
 from chimera.schedule import Costs, Offload, Schedule
 
+#: copy passes of adding one buffer into another in place (read two, write one) and writing the result back
+SUM_COPIES = 2.5
+
 
 @dataclass(frozen=True)
 class StageCosts:
@@ -102,7 +105,7 @@ def _with_comm(base: Costs, profile: Profile, comm: CommProfile, stage_layers: S
         optimizer_s += _allreduce_link(profile, len(ranks)).time(max(sc.tied_bytes))
         if copy is not None:  # a worker holding k ends adds k - 1 into the first and copies the sum back
             ends = max(sum(s in tied_stages for _, s in schedule.stages_of(w)) for w in range(schedule.workers))
-            optimizer_s += 2.5 * (ends - 1) * copy.time(max(sc.tied_bytes))
+            optimizer_s += SUM_COPIES * (ends - 1) * copy.time(max(sc.tied_bytes))
     busy = _host_busy(copy, comm, sc, allreduce) if copy is not None else {}
     return replace(base, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes, p2p_bandwidth=comm.p2p.bandwidth_Bps,
                    allreduce=allreduce, optimizer=optimizer_s, **busy)
@@ -122,7 +125,7 @@ def _host_busy(copy: Link, comm: CommProfile, sc: StageCosts, allreduce: list[fl
     cost, its wait two and a half (adding the peer's bucket, unpacking). NCCL posts asynchronously: none there."""
     buckets = [b - t for b, t in zip(sc.param_bytes, sc.tied_bytes)]
     start = [copy.time(b) + comm.p2p.latency_s if a else 0.0 for b, a in zip(buckets, allreduce)]
-    wait = [2.5 * copy.time(b) if a else 0.0 for b, a in zip(buckets, allreduce)]
+    wait = [SUM_COPIES * copy.time(b) if a else 0.0 for b, a in zip(buckets, allreduce)]
     return {"p2p_busy": comm.p2p.latency_s, "sync_start": start, "sync_wait": wait}
 
 
