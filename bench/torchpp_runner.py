@@ -3,9 +3,10 @@
 Launched as its users launch it: one ``torch.multiprocessing`` process per rank (forkserver with torch
 preloaded), ``init_process_group("gloo")``, one ``PipelineStage`` per local stage built from chimera's own
 layered model, and torch's schedule classes. Every process applies chimera's CPU allocator setting
-(``chimera.runtime.host_memory.keep_freed_memory``), as chimera's workers do. One process group hosts every torch schedule of a workload
-(each with its own stage modules and optimizer) and runs steps on command, so repetitions alternate
-between systems without restarting processes.
+(``chimera.runtime.host_memory.keep_freed_memory``) and its garbage collection (``StepCollector``: the heap
+frozen after set-up, Python's collector after every step, inside its timed window), as chimera's workers do.
+One process group hosts every torch schedule of a workload (each with its own stage modules and optimizer)
+and runs steps on command, so repetitions alternate between systems without restarting processes.
 
 Step time (rank 0): ``barrier; [schedule.step(...); tied-weight sum; optimizer.step(); barrier]`` per step,
 steps back to back; the time between the last two barriers is the last step's, from all ranks done with the
@@ -33,7 +34,7 @@ from bench.workloads import Workload, input_keys, unpack_target
 from chimera.models import LayerChain, StageModule, build_stage
 from chimera.models.chain import as_tuple, call
 from chimera.optim import build_optimizer
-from chimera.runtime.host_memory import keep_freed_memory
+from chimera.runtime.host_memory import StepCollector, keep_freed_memory
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ def _worker(w: Workload, names: list[str], rank: int, init: str, cmds: Any, out:
                                 timeout=timedelta(seconds=300))
         # new_group is collective: every rank builds every runner in the same order
         runners = {n: _Runner(w, TORCH_SCHEDULES[n], rank) for n in names}
+        collector = StepCollector().start()  # Python's collector between steps, as in chimera's workers
         out.put(("ready", rank, {n: r.order for n, r in runners.items()} if rank == 0 else None))
         batches: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
         while True:
@@ -189,6 +191,7 @@ def _worker(w: Workload, names: list[str], rank: int, init: str, cmds: Any, out:
             t0 = time.perf_counter()
             for k in steps:
                 runners[name].step(*batches[k])
+                collector.after_step()
                 dist.barrier()
                 t1 = time.perf_counter()
                 dt, t0 = t1 - t0, t1

@@ -41,6 +41,7 @@ from chimera.schedule.io import load_schedule_file
 from chimera.validation import ConfigError, type_ok, writable_path
 
 PAYLOADS = ("full", "single-byte")
+PYTHON_GC = ("step", "auto")  # chimera.runtime.host_memory.StepCollector, or Python's automatic collector
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class TrainingConfig:
     amp: bool = True
     timeout_s: float = 120.0
     threads: int | None = None
+    python_gc: str = "step"  # step: Python's garbage collector between steps only; auto: Python's default
     memory_per_worker: str | None = None  # e.g. "80GiB": the planner's memory limit and the runtime's budget
     offload: str = "none"  # none, optimizer, optimizer+gradients, everything, a comma list of those (one per stage),
     # or auto (the least per stage that fits)
@@ -296,6 +298,7 @@ def _check_fields(cfg: TrainConfig) -> None:
     _need(t.clip_grad >= 0 and math.isfinite(t.clip_grad),
           f"--clip-grad must be a finite number >= 0 (0 disables clipping), got {t.clip_grad}")
     _need(t.threads is None or t.threads >= 1, f"--threads must be >= 1, got {t.threads}")
+    _need(t.python_gc in PYTHON_GC, f"--python-gc must be one of {', '.join(PYTHON_GC)}, got {t.python_gc!r}")
     unknown = [p for p in t.offload.split(",") if p.strip() not in OFFLOAD_POLICIES]
     _need(t.offload == "auto" or not unknown,
           f"--offload must be one of {', '.join((*OFFLOAD_POLICIES, 'auto'))}, or a comma list with one of "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from chimera.config import FLAT, PAYLOADS, TrainConfig
+from chimera.config import FLAT, PAYLOADS, PYTHON_GC, TrainConfig
 from chimera.optim import OPTIMIZERS
 from chimera.optim import SCHEDULES as LR_SCHEDULES
 from chimera.schedule import CHIMERA_MODES, OFFLOAD_POLICIES
@@ -59,6 +59,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", dest="timeout_s", type=float, default=t.timeout_s,
                    help="seconds any blocking wait may take before the run fails")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    p.add_argument("--python-gc", default=t.python_gc, choices=PYTHON_GC,
+                   help="step: freeze the heap after set-up and run Python's garbage collector after every step, never "
+                        "inside one (a full collection pauses a worker ~0.2 s); auto: Python's automatic collector")
     p.add_argument("--memory-per-worker", default=None,
                    help="device memory budget per worker, e.g. 16GiB, or 'device' (the GPU's free memory; on CPU this "
                         "machine's available memory / workers): the planner's limit, checked before the run starts "

@@ -137,6 +137,7 @@ def test_stalled_peer_names_worker_and_action():
     ({"partition": "1,x"}, "--partition"),
     ({"lr": -1.0}, "--lr must be > 0, got -1.0$"),
     ({"warmup_steps": -3}, "--warmup-steps must be >= 0"),
+    ({"python_gc": "never"}, "--python-gc must be one of step, auto, got 'never'"),
 ])
 def test_invalid_configurations_are_refused(kw, msg):
     with pytest.raises(ConfigError, match=msg):

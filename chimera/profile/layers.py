@@ -43,7 +43,7 @@ from chimera.profile.format import (
     fingerprint,
 )
 from chimera.profile.timing import PACE_TIMEOUT_S, evict_caches, measure, optimizer_costs, set_pace
-from chimera.runtime.host_memory import keep_freed_memory
+from chimera.runtime.host_memory import StepCollector, keep_freed_memory
 
 BACKWARDS = {"backward_input": (True, False), "backward_weight": (False, True), "backward": (True, True)}
 
@@ -90,13 +90,15 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    collector = StepCollector().start()  # no collection inside a timed run, as in the workers' steps
     try:
         used_threads = torch.get_num_threads()
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(seed)
-            layers = _profile_layers(chain, sizes, dev, amp, reps, warmup, seed, notes)
+            layers = _profile_layers(chain, sizes, dev, amp, reps, warmup, seed, notes, collector)
         host_in, host_out = measure_host_links(str(dev))
     finally:
+        collector.close()
         torch.set_num_threads(old_threads)
     dtype = "bfloat16-autocast" if amp and dev.type == "cuda" else _param_dtype(chain)
     if dev.type == "cuda":
@@ -162,7 +164,7 @@ def current_versions(device: str = "cpu") -> dict[str, str]:
 
 
 def _profile_layers(chain: LayerChain, sizes: list[int], dev: torch.device, amp: bool, reps: int, warmup: int,
-                    seed: int, notes: list[str]) -> list[LayerProfile]:
+                    seed: int, notes: list[str], collector: StepCollector) -> list[LayerProfile]:
     batches = {b: map_tensors(lambda t: t.to(dev), repeated(chain.example, b)) for b in sizes}
     xs = {b: batches[b][0] for b in sizes}
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp and dev.type == "cuda" else nullcontext
@@ -190,6 +192,7 @@ def _profile_layers(chain: LayerChain, sizes: list[int], dev: torch.device, amp:
         out.append(LayerProfile(i, type(layer).__name__, sum(p.numel() for p in params),
                                 sum(_nbytes(p) for p in params), opt_bytes, costs, tied, opt_s))
         del layer
+        collector.after_step()
     return out
 
 

@@ -73,6 +73,7 @@ def summarize_step(cfg: TrainConfig, results: list[StepResult]) -> dict[str, Any
         **({"swap_bytes": [r.swap_bytes for r in sorted(results, key=lambda r: r.rank)]}
            if cfg.training.offload != "none" else {}),
         **({"checkpoint_s": max(r.checkpoint_s for r in results)} if any(r.checkpoint_s for r in results) else {}),
+        "gc_s": max(r.gc_s for r in results),
     }
 
 

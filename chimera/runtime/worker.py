@@ -32,7 +32,7 @@ from chimera.runtime.checkpoint import Checkpointer
 from chimera.runtime.comm import CommBatches, Communicator
 from chimera.runtime.compute import StageCompute
 from chimera.runtime.executor import Executor, Handler, segments
-from chimera.runtime.host_memory import keep_freed_memory
+from chimera.runtime.host_memory import StepCollector, keep_freed_memory
 from chimera.runtime.ledger import MemoryLedger
 from chimera.runtime.stage_state import StageState, tied_ranks
 from chimera.runtime.step_state import StepState
@@ -57,6 +57,7 @@ class StepResult:
     memory: dict[str, int] = field(default_factory=dict)  # peak bytes held and its breakdown (--profile-memory)
     swap_bytes: int = 0  # bytes moved between host and device (--offload)
     checkpoint_s: float = 0.0  # seconds the step was held by saving a checkpoint (a copy; the write runs behind)
+    gc_s: float = 0.0  # seconds of Python garbage collection after the step (--python-gc step), in step_time_s
 
 
 class PipelineWorker:
@@ -123,6 +124,7 @@ class PipelineWorker:
                             if t.checkpoint_dir is not None or self.job.resume is not None else None)
         if self.job.resume is not None:
             self.checkpoints.restore(self.job.resume)  # type: ignore[union-attr]
+        self.collector = StepCollector(t.python_gc == "step").start()  # last: freezes what set-up built
         return {"rank": self.rank, "worker": self.worker, "stages": sorted(self.stages.modules),
                 "device": str(self.device), "params": sum(p.numel() for p in self.stages.params), "pid": os.getpid()}
 
@@ -165,13 +167,15 @@ class PipelineWorker:
                                f"more than --memory-per-worker ({self.budget} bytes): {held}; raise the budget or "
                                "offload more (--offload)")
         events = rec.finish() if rec else []
-        loss_sum = float(st.loss_sum)
+        loss_sum, loss_count, grad_norm = float(st.loss_sum), st.loss_count, st.grad_norm
+        del st  # its garbage goes in this step's collection
+        gc_s = self.collector.after_step()
         elapsed = time.perf_counter() - t_start
         digests = self.stages.digests() if self.cfg.training.check_replicas else {}
         held = self.checkpoints.after_step(step) if self.checkpoints else 0.0
-        return StepResult(step, self.rank, loss_sum, st.loss_count, elapsed, st.grad_norm, events, digests,
+        return StepResult(step, self.rank, loss_sum, loss_count, elapsed, grad_norm, events, digests,
                           self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {},
-                          self.stages.host.moved if self.stages.host else 0, held)
+                          self.stages.host.moved if self.stages.host else 0, held, gc_s)
 
     def _optimizer_step(self, a: Action, st: StepState) -> None:
         self.batches.wait_sends()
@@ -186,8 +190,10 @@ class PipelineWorker:
         return self.stages.state()
 
     def close(self) -> None:
-        """Finish a checkpoint write in progress; leave the process group."""
+        """Finish a checkpoint write in progress; leave the process group; give Python its collector back."""
         if getattr(self, "checkpoints", None) is not None:
             self.checkpoints.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if getattr(self, "collector", None) is not None:
+            self.collector.close()
