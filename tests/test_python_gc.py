@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import gc
-import socket
 import weakref
+from pathlib import Path
 
 import pytest
 
@@ -54,18 +54,12 @@ def test_step_collector_disabled_leaves_python_alone():
         assert gc.isenabled() == was and c.after_step() == 0.0
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _train(mode: str) -> tuple[list[float], int, int, list[float]]:
+def _train(mode: str, rendezvous: Path) -> tuple[list[float], int, int, list[float]]:
     """Three steps of a one-worker BERT-tiny job in this process: losses, collections inside and outside steps,
     and each step's reported collection seconds."""
     cfg = TrainConfig.from_flags(model="bert-tiny", schedule="1f1b", stages=1, micro_batches=4, steps=3, threads=1,
                                  python_gc=mode, corpus="synthetic")
-    w = PipelineWorker(cfg.check(), 0, 1, f"tcp://127.0.0.1:{_port()}")
+    w = PipelineWorker(cfg.check(), 0, 1, f"file://{rendezvous}")  # as run_local joins
     w.setup()
     inside = [0, 0]
 
@@ -82,11 +76,11 @@ def _train(mode: str) -> tuple[list[float], int, int, list[float]]:
     return [r.loss_sum for r in results], inside[0], inside[1], [r.gc_s for r in results]
 
 
-def test_worker_collects_between_steps_only():
-    auto_losses, auto_inside, _, auto_gc = _train("auto")
+def test_worker_collects_between_steps_only(tmp_path):
+    auto_losses, auto_inside, _, auto_gc = _train("auto", tmp_path / "auto")
     assert auto_inside > 0, "Python's automatic collector never ran inside a step: this test shows nothing"
     assert auto_gc == [0.0, 0.0, 0.0]
-    losses, inside, outside, gc_s = _train("step")
+    losses, inside, outside, gc_s = _train("step", tmp_path / "step")
     assert inside == 0 and outside == 3  # one collection after each step
     assert all(s > 0 for s in gc_s)
     assert losses == auto_losses  # the same training, bit for bit

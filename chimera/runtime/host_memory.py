@@ -48,7 +48,6 @@ class StepCollector:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.was_enabled: bool | None = None  # set while started
-        self.seconds = 0.0  # spent collecting after steps, in total
 
     def start(self) -> StepCollector:
         """Collect, freeze the heap built so far, and switch automatic collection off (when enabled)."""
@@ -65,9 +64,7 @@ class StepCollector:
             return 0.0
         t = time.perf_counter()
         gc.collect()
-        dt = time.perf_counter() - t
-        self.seconds += dt
-        return dt
+        return time.perf_counter() - t
 
     def close(self) -> None:
         """Give the process its automatic collector back, as it was before :meth:`start`."""
