@@ -14,7 +14,7 @@ import pytest
 from chimera.config import TrainConfig
 from chimera.runtime import stage_params_by_layer, train_sequential
 from ray_launch.config import LaunchConfig
-from ray_launch.driver import RayJob
+from ray_launch.driver import RayJob, RunError, _check_reachable
 from ray_launch.placement import Node, PlacementError, assign
 from tests.conftest import node_ids
 
@@ -38,15 +38,16 @@ def _nodes_of(job) -> list[str]:
     return [info["node_id"] for info in job.infos]
 
 
-@pytest.mark.parametrize("policy,expected", [
-    ("pack", ["node_a"] * 4 + ["node_b"] * 4),
-    ("stage-pairs", ["node_a", "node_a", "node_b", "node_b"] * 2),
+@pytest.mark.parametrize("policy,data_parallel,expected", [
+    ("pack", 3, ["node_a"] * 4 + ["node_b"] * 2),  # fills node_a's 4 slots, then spills
+    ("stage-pairs", 2, ["node_a", "node_a", "node_b", "node_b"]),
 ])
-def test_placement_policies_put_workers_on_expected_nodes(ray_cluster, policy, expected):
+def test_placement_policies_put_workers_on_expected_nodes(ray_cluster, policy, data_parallel, expected):
     import ray
 
     ids = node_ids(ray)
-    with RayJob(DELAY, LaunchConfig(placement=policy), log=lambda m: None) as job:
+    cfg = DELAY.with_flags(stages=2, micro_batches=2, data_parallel=data_parallel)
+    with RayJob(cfg, LaunchConfig(placement=policy), log=lambda m: None) as job:
         job.step(0)
         assert _nodes_of(job) == [ids[n] for n in expected]
 
@@ -111,7 +112,7 @@ def test_job_submission_and_shutdown(tmp_path):
              "--working-dir", ".", "--runtime-env-json", runtime_env, "--",
              sys.executable, "scripts/prof_steps_ray_multinode.py", "--address", "auto", "--model", "bert-tiny",
              "--stages", "2", "--micro-batches", "2", "--seq-len", "16", "--corpus", "synthetic", "--steps", "2",
-             "--no-progress",
+             "--partition", "uniform", "--no-progress",
              "--out", str(out)],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
         assert job.returncode == 0, (job.stdout[-3000:], job.stderr[-3000:])
@@ -144,8 +145,8 @@ def test_wrong_address_fails_fast():
     p, took = _run_script("--address", f"127.0.0.1:{_free_port()}")
     assert p.returncode == 1 and "cannot reach the Ray cluster at --address 127.0.0.1:" in p.stderr
     assert took < 60
-    p, _ = _run_script("--address", "not-an-address")
-    assert p.returncode == 1 and "is not 'auto' or host:port" in p.stderr
+    with pytest.raises(RunError, match="is not 'auto' or host:port"):  # the same check, without a second process
+        _check_reachable("not-an-address", 1.0)
 
 
 def test_unresponsive_cluster_fails_within_the_connect_timeout():

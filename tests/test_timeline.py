@@ -179,7 +179,7 @@ def test_nsys_starts_actors_under_nsight_or_fails_fast(tmp_path):
     env = {**os.environ, "PATH": f"{stub_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
            "NSYS_STUB_LOG": str(log)}
     args = [sys.executable, "scripts/prof_steps_ray.py", "--model", "bert-tiny", "--stages", "2", "--micro-batches",
-            "2", "--seq-len", "16", "--corpus", "synthetic", "--steps", "1", "--nsys", "--no-progress", "--out", str(tmp_path / "m.jsonl")]
+            "2", "--seq-len", "16", "--corpus", "synthetic", "--steps", "1", "--partition", "uniform", "--nsys", "--no-progress", "--out", str(tmp_path / "m.jsonl")]
     p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     calls = log.read_text().splitlines()
