@@ -39,8 +39,9 @@ ROWS = [("chimera", 4, 4, "direct"), ("1f1b", 4, 4, "direct"), ("gpipe", 4, 4, "
         ("1f1b", 4, 16, "direct"),
         # split backward (I + W)
         ("zb-h1", 4, 8, "direct"), ("zb-h2", 4, 8, "direct"), ("1f1b", 4, 8, "split"), ("chimera", 4, 4, "split"),
-        ("chimera", 4, 8, "split"), ("chimera", 8, 16, "split"), ("zb-h1", 8, 16, "direct"), ("bitpipe", 4, 8, "direct")]
-SPLIT = ("zb-h1", "zb-h2", "bitpipe")  # schedules that always split the backward
+        ("chimera", 4, 8, "split"), ("chimera", 8, 16, "split"), ("zb-h1", 8, 16, "direct"), ("bitpipe", 4, 8, "direct"),
+        ("chimera4", 4, 4, "direct"), ("chimera4", 4, 8, "direct"), ("chimera4", 8, 16, "direct")]
+SPLIT = ("zb-h1", "zb-h2", "bitpipe", "chimera4")  # schedules that always split the backward
 HALF_STAGES = ("bitpipe",)  # 2D stages of half a block's sleep each
 
 

@@ -22,8 +22,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     m, s, t = d.model, d.schedule, d.training
     p.add_argument("--model", default=m.name, help="preset: bert-tiny/mini/base/large/48, gpt2-tiny/small/1.3b")
     p.add_argument("--schedule", default=s.name,
-                   help="chimera, 1f1b, gpipe, interleaved, zb-h1, zb-h2, or auto (simulate them all with the model's "
-                        "costs and train the fastest; the choice and why are printed)")
+                   help="chimera, 1f1b, gpipe, interleaved, zb-h1, zb-h2, bitpipe, chimera4 (four pipelines), or auto "
+                        "(simulate them all with the model's costs and train the fastest; the choice and why are "
+                        "printed)")
     p.add_argument("--schedule-file", default=None,
                    help="train this compute-only schedule: our JSON (chimera schedule show --format json) or a "
                         "torch.distributed.pipelining CSV; validated first")

@@ -28,7 +28,7 @@ def test_vs_torch_pipelining_smoke(tmp_path):
     rows = json.loads(out.read_text())
     got = {(r["system"], r["schedule"]) for r in rows}
     auto = [r["schedule"] for r in rows if r["schedule"].startswith("auto: ")]
-    assert auto == ["auto: bitpipe"]  # labelled with its choice (over the 2·D-block split torch.pp's 2-stage rows run)
+    assert auto == ["auto: chimera4"]  # labelled with its choice (over the 2·D-block split torch.pp's 2-stage rows run)
     assert got == {("torch.pp", s) for s in TORCH if s in (*SMOKE, "1f1b")} | {("chimera", "chimera"), ("chimera", auto[0])}
     best = min(r["median_step_s"] for r in rows if r["system"] == "torch.pp" and r["median_step_s"])
     assert all(r["ratio_to_torch_best"] == r["median_step_s"] / best for r in rows if r["median_step_s"])
@@ -44,7 +44,7 @@ def test_vs_torch_pipelining_smoke(tmp_path):
     zbv = next(r for r in rows if r["schedule"] == "zbvzerobubble")
     assert zbv["predicted_step_s"] == pytest.approx(15 * 0.01), zbv  # 12 tf of work per rank, 3 tf of bubble
     text = md.read_text()
-    assert "predicted " in text.split("auto: bitpipe / best torch.pp")[1].splitlines()[0]
+    assert "predicted " in text.split("auto: chimera4 / best torch.pp")[1].splitlines()[0]
     assert "## Earlier section" in text and "kept" in text
     assert "## chimera vs torch.distributed.pipelining" in text and "--workloads delay-d4-n4" in text
     for r in rows:

@@ -1,5 +1,6 @@
 """Split backward (I + W) trains exactly what sequential training does: every new schedule at D in {2, 4},
-N in {D, 2D}, with data parallelism, recomputation, tied weights (GPT-2) and Chimera's two replicas."""
+N in {D, 2D}, with data parallelism, recomputation, tied weights (GPT-2), Chimera's two replicas and the four
+of four-pipe Chimera."""
 
 import pytest
 from test_runtime_parity import BASE, SGD, assert_parity
@@ -20,6 +21,8 @@ CASES = {
     "bitpipe-D2N2-gpt2-W2": dict(schedule="bitpipe", stages=2, micro_batches=2, model="gpt2-tiny", data_parallel=2),
     "bitpipe-D4N8-recompute": dict(schedule="bitpipe", stages=4, micro_batches=8, recompute=True,
                                    model_overrides={"num_hidden_layers": 6}),
+    "chimera4-D4N4-gpt2-W2": dict(schedule="chimera4", stages=4, micro_batches=4, model="gpt2-tiny", data_parallel=2),
+    "chimera4-D4N8-recompute": dict(schedule="chimera4", stages=4, micro_batches=8, recompute=True, **SGD),
 }
 
 

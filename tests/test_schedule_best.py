@@ -28,14 +28,18 @@ def test_auto_is_never_slower_than_1f1b(d):
 
 
 def test_memory_limit_and_costs_change_the_choice():
-    choice, _ = best(8, 16, EQUAL)
-    assert choice.label == "chimera --mode halving --split-backward" and choice.bubble < 0.031
-    no_halving = best(8, 16, EQUAL, halving=False)[0]  # half-size stages instead of half-size micro-batches
-    assert no_halving.label == "bitpipe" and no_halving.makespan == 49.5 and no_halving.peak == 12
-    assert best(8, 16, EQUAL, halving=False, layers=10)[0].label == "chimera --mode direct --split-backward"
+    choice, ranked = best(8, 16, EQUAL)
+    assert choice.label == "chimera4" and choice.makespan == 49  # four pipelines: 3N + the wait of D/4 - 1 hops
+    two = {c.label: c for c in ranked}
+    assert two["chimera --mode halving --split-backward"].bubble < 0.031  # the best with two pipelines
+    no_halving = two["bitpipe"]  # half-size stages instead of half-size micro-batches
+    assert no_halving.makespan == 49.5 and no_halving.peak == 12
+    assert all(c.label != "chimera4" for c in rank(8, 10, EQUAL))  # N not a multiple of 4
+    assert best(8, 16, EQUAL, halving=False, layers=10)[0].label == "chimera4"  # D stages: fits 10 layers
+    assert [c.label for c in rank(6, 12, EQUAL)] and all(c.label != "chimera4" for c in rank(6, 12, EQUAL))
     limited, ranked = best(8, 16, EQUAL, memory_limit=8, halving=False)
     assert limited.peak <= 8 and any(not c.fits for c in ranked)
-    plain, _ = best(4, 8, Costs(fwd=1, bwd=2), halving=False)  # W free: splitting gains nothing, the simpler wins
+    plain, _ = best(6, 12, Costs(fwd=1, bwd=2), halving=False)  # W free: splitting gains nothing, the simpler wins
     assert not plain.options.get("split_backward")
     with pytest.raises(ScheduleConfigError, match="fits --memory-limit 1 micro-batches"):
         best(4, 4, EQUAL, memory_limit=1)
@@ -54,9 +58,14 @@ def test_auto_in_the_config_uses_the_models_costs():
     delay = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": 4, "fwd_s": 0.01}, schedule="auto",
                                    stages=4, micro_batches=8, partition="uniform")
     job = delay.check()
-    assert job.cfg.schedule.name == "chimera" and job.cfg.schedule.split_backward  # no halving: sleeps don't shrink
-    assert job.cfg.schedule.mode == "direct" and job.schedule_choice.startswith("auto: chimera --mode direct")
-    slow_w = delay.with_flags(model_overrides={"num_blocks": 4, "fwd_s": 0.01, "bwd_s": 0.02, "wgrad_s": 0.0})
+    assert job.cfg.schedule.name == "chimera4" and job.cfg.schedule.split_backward
+    assert job.schedule_choice.startswith("auto: chimera4")
+    two = delay.with_flags(stages=6, micro_batches=6, model_overrides={"num_blocks": 6, "fwd_s": 0.01}).check()
+    # D not a multiple of 4: two pipelines; no halving: sleeps don't shrink
+    assert two.cfg.schedule.name == "chimera" and two.cfg.schedule.split_backward
+    assert two.cfg.schedule.mode == "direct" and two.schedule_choice.startswith("auto: chimera --mode direct")
+    slow_w = delay.with_flags(stages=6, micro_batches=6,
+                              model_overrides={"num_blocks": 6, "fwd_s": 0.01, "bwd_s": 0.02, "wgrad_s": 0.0})
     assert not slow_w.check().cfg.schedule.split_backward
 
 
@@ -109,8 +118,11 @@ def test_zero_bubble_orders_use_each_stages_costs():
     that starts last: half a stage per hop), which ordering with the mean costs misses."""
     split = per_stage(EQUAL, 2)
     for d, n, bound in ((4, 4, Fraction(25, 2)), (4, 16, Fraction(97, 2)), (8, 8, Fraction(51, 2))):
-        choice, _ = best(d, n, EQUAL, halving=False)
-        assert choice.label == "bitpipe" and choice.makespan == bound == 3 * n + Fraction(d // 2 - 1, 2), (d, n)
+        choice, ranked = best(d, n, EQUAL, halving=False)
+        bit = next(c for c in ranked if c.label == "bitpipe")
+        assert bit.makespan == bound == 3 * n + Fraction(d // 2 - 1, 2), (d, n)
+        # four pipelines start on four workers: the worker that starts last waits D/4 - 1 whole stages
+        assert choice.label == "chimera4" and choice.makespan == 3 * n + d // 4 - 1 < bound, (d, n)
         costs = split.first_stage_whole_backward(2 * d)
         assert costs.bwd[0] == 0 and costs.wgrad[0] == 1 and costs.bwd[1] == costs.wgrad[1] == Fraction(1, 2)
         mean_order = simulate(build_schedule("bitpipe", d, n), costs).makespan

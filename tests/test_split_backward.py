@@ -15,6 +15,7 @@ from chimera.schedule import (
     simulate,
     validate,
 )
+from chimera.schedule.fill import EQUAL
 from chimera.schedule.ir import DOWN, from_rows
 from chimera.schedule.kinds import PARTS
 from chimera.schedule.lowering import split_backward
@@ -127,3 +128,23 @@ def test_bitpipe_two_v_shaped_pipes():
     assert r.makespan == Fraction(99, 2) and r.bubble < 0.031 and max(r.peak_activations) <= 3 * 8
     with pytest.raises(ScheduleConfigError, match="must be even"):
         build_schedule("bitpipe", 4, 5)
+
+
+def test_chimera4_four_pipes_start_on_four_workers():
+    s = build_schedule("chimera4", 8, 16)
+    assert s.pipes == ("down", "up", "down2", "up2") and s.pipe_microbatches("up2") == 4
+    assert [s.placement[(p, 0)] for p in s.pipes] == [0, 7, 4, 3]  # the four first stages, D/2 apart
+    assert all(sorted(st for _, st in s.stages_of(w)) == sorted({w, 7 - w, (w - 4) % 8, (3 - w) % 8})
+               for w in range(8))  # four distinct stages per worker
+    assert all(s.stage_group_size(st) == 4 for st in range(8)) and s.global_microbatch("up2", 1) == 13
+    for d, n in [(4, 4), (4, 8), (8, 8), (8, 32), (16, 16)]:
+        validate(lower(build_schedule("chimera4", d, n, data_parallel=2)))
+    for d, n in [(4, 4), (4, 16), (8, 8), (8, 16)]:  # 3N units of work + the wait of the worker that starts last
+        costs = EQUAL.first_stage_whole_backward(d)
+        r = simulate(build_schedule("chimera4", d, n, order_costs=costs), costs)
+        assert r.makespan == 3 * n + d // 4 - 1 and max(r.peak_activations) <= d, (d, n)
+    text = " ".join(a.text(s.bidirectional) for a in s.actions[4])
+    assert "D0F0" in text and [Action.parse(t) for t in text.split()] == list(s.actions[4])
+    for d, n in [(6, 6), (4, 6), (2, 4)]:
+        with pytest.raises(ScheduleConfigError, match="multiples of 4"):
+            build_schedule("chimera4", d, n)

@@ -7,6 +7,7 @@ from chimera.schedule.generators import (
     bitpipe,
     build_schedule,
     chimera,
+    chimera4,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
@@ -14,7 +15,7 @@ from chimera.schedule.generators import (
     zb_h2,
 )
 from chimera.schedule.io import from_csv, from_json, to_csv, to_json
-from chimera.schedule.ir import DOWN, UP, Action, Kind, Schedule
+from chimera.schedule.ir import DOWN, DOWN2, UP, UP2, Action, Kind, Schedule
 from chimera.schedule.lowering import (
     OFFLOAD_POLICIES,
     Offload,
@@ -28,9 +29,10 @@ from chimera.schedule.simulate import Costs, SimResult, simulate
 from chimera.schedule.validate import ScheduleError, format_grid, validate
 
 __all__ = [
-    "CHIMERA_MODES", "DOWN", "OFFLOAD_POLICIES", "Offload", "SCHEDULES", "UP", "Action", "Costs", "Kind", "Schedule",
-    "ScheduleConfigError", "bitpipe",
+    "CHIMERA_MODES", "DOWN", "DOWN2", "OFFLOAD_POLICIES", "Offload", "SCHEDULES", "UP", "UP2", "Action", "Costs", "Kind",
+    "Schedule", "ScheduleConfigError", "bitpipe",
     "ScheduleError", "SimResult", "add_grad_sync", "add_optimizer_step", "add_p2p", "build_schedule", "chimera",
+    "chimera4",
     "format_grid", "from_csv", "from_json", "gpipe", "interleaved_1f1b", "lower", "one_f_one_b", "simulate",
     "split_backward", "to_csv", "to_json", "validate", "zb_h1", "zb_h2",
 ]

@@ -60,6 +60,8 @@ def candidates(stages: int, microbatches: int, halving: bool = True) -> list[tup
     out += [("zb-h1", "zb-h1", {"split_backward": True}), ("zb-h2", "zb-h2", {"split_backward": True})]
     if microbatches % 2 == 0:  # 2D half-size stages
         out.append(("bitpipe", "bitpipe", {"chunks": 2, "split_backward": True}))
+    if stages % 4 == 0 and microbatches % 4 == 0:  # four pipelines: four stages (4/D of the weights) per worker
+        out.append(("chimera4", "chimera4", {"split_backward": True}))
     return out
 
 

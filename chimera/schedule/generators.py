@@ -19,7 +19,7 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from chimera.schedule.fill import EQUAL, chimera_split, list_schedule, zero_bubble
-from chimera.schedule.ir import DOWN, UP, Action, B, F, Kind, Schedule, ScheduleConfigError
+from chimera.schedule.ir import DOWN, DOWN2, UP, UP2, Action, B, F, Kind, Schedule, ScheduleConfigError
 from chimera.schedule.lowering import split_backward as split_in_place
 from chimera.schedule.simulate import Costs
 
@@ -208,6 +208,41 @@ def bitpipe(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Sched
     return Schedule(stages=parts, microbatches=microbatches, placement=placement, actions=rows, name="bitpipe")
 
 
+def chimera4(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedule:
+    """Chimera with four pipelines (the paper's generalisation beyond two), split backward.
+
+    Besides Chimera's down pipe (stage s on worker s) and up pipe (worker D-1-s), a second down and a second up
+    pipe run shifted by D/2 workers, so four workers start a pipeline at once instead of two and the start-up
+    bubble halves. Every worker holds four stages (two stage pairs, 4/D of the model: the price is weight memory
+    and a four-way gradient sum per stage); N/4 micro-batches go through each pipe. The order comes from the
+    zero-bubble list scheduler (:mod:`chimera.schedule.fill`), W filling the waits, each worker holding at most
+    D micro-batches of activations (1F1B's peak; more only where no order fits within it).
+    """
+    _check_common(stages, microbatches)
+    if stages % 4 or microbatches % 4:
+        raise ScheduleConfigError(f"chimera4 runs four pipelines shifted by D/2: --stages and --micro-batches must be "
+                                  f"multiples of 4, got D={stages}, N={microbatches}")
+    d, h = stages, stages // 2
+    placement: dict[tuple[str, int], int] = {}
+    for s in range(d):
+        placement.update({(DOWN, s): s, (UP, s): d - 1 - s, (DOWN2, s): (s + h) % d, (UP2, s): (d - 1 - s + h) % d})
+    seqs: list[list[Action]] = [[] for _ in range(d)]
+    for (pipe, s), w in placement.items():
+        for m in range(microbatches // 4):
+            seqs[w] += [F(pipe, s, m), Action(Kind.I, pipe, s, m)]
+    for row in seqs:  # earlier micro-batches first; forwards of a micro-batch before its backwards, by depth
+        row.sort(key=lambda a: (a.microbatch, a.kind is Kind.I, a.stage if a.kind is Kind.F else -a.stage, a.pipe))
+    for held in (d, 2 * d, 4 * d, None):  # the least limit the list scheduler finds an order within
+        try:
+            rows = list_schedule(d, placement, seqs, None, None if held is None else [held] * d, costs=order_costs)
+            break
+        except ScheduleConfigError:
+            continue
+    else:  # pragma: no cover - without a memory limit the list scheduler has always found an order
+        raise ScheduleConfigError(f"chimera4: no order found for D={stages}, N={microbatches}")
+    return Schedule(stages=d, microbatches=microbatches, placement=placement, actions=rows, name="chimera4")
+
+
 CHIMERA_MODES = ("direct", "doubling", "halving")
 
 
@@ -272,6 +307,7 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,
     "bitpipe": bitpipe,
+    "chimera4": chimera4,
 }
 
 
@@ -296,7 +332,8 @@ def build_schedule(
     """
     key = name.lower().replace("-", "").replace("_", "")
     aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved1f1b": "interleaved",
-               "chimera": "chimera", "zbh1": "zb-h1", "zbh2": "zb-h2", "bitpipe": "bitpipe"}
+               "chimera": "chimera", "zbh1": "zb-h1", "zbh2": "zb-h2", "bitpipe": "bitpipe",
+               "chimera4": "chimera4"}
     if key not in aliases:
         raise ScheduleConfigError(f"unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
     if data_parallel < 1:

@@ -9,6 +9,7 @@ Text form (compatible with ``torch.distributed.pipelining`` for single-direction
 
     0F3        stage 0, forward, micro-batch 3 (pipe "down" implied)
     u2B1       up pipe, stage 2, backward, micro-batch 1
+    D1I0       second down pipe (four-pipe Chimera; U: second up pipe), stage 1, input-gradient backward, mb 0
     d0F2-3     one forward over micro-batches 2 and 3 at once (Chimera forward doubling)
     d1RECV_F3  receive the activation that stage 1 needs for micro-batch 3
     d0AR_START start the gradient allreduce of stage 0 (this worker's replica in the down pipe)
@@ -34,16 +35,20 @@ from chimera.schedule.kinds import KIND_OF_CODE, SPECS, Address, Kind
 
 DOWN = "down"
 UP = "up"
-PIPE_PREFIX = {DOWN: "d", UP: "u"}
+DOWN2 = "down2"  # Chimera with four pipelines: a second down pipe, shifted by D/2 workers
+UP2 = "up2"  # and a second up pipe, shifted likewise
+PIPES = (DOWN, UP, DOWN2, UP2)
+PIPE_PREFIX = {DOWN: "d", UP: "u", DOWN2: "D", UP2: "U"}
 PREFIX_PIPE = {v: k for k, v in PIPE_PREFIX.items()}
+_PREFIXES = "".join(PIPE_PREFIX.values())
 
 
 def _codes(address: Address) -> str:
     return "|".join(sorted((s.code for s in SPECS.values() if s.address is address), key=len, reverse=True))
 
 
-_MB_RE = re.compile(rf"^([du]?)(\d+)({_codes(Address.MICROBATCH)})(\d+)(?:-(\d+))?$")
-_STAGE_RE = re.compile(rf"^([du]?)(\d+)({_codes(Address.STAGE)})$")
+_MB_RE = re.compile(rf"^([{_PREFIXES}]?)(\d+)({_codes(Address.MICROBATCH)})(\d+)(?:-(\d+))?$")
+_STAGE_RE = re.compile(rf"^([{_PREFIXES}]?)(\d+)({_codes(Address.STAGE)})$")
 _NONE_CODES = {s.code: k for k, s in SPECS.items() if s.address is Address.NONE}
 
 
@@ -153,11 +158,12 @@ class Schedule:
     @cached_property
     def pipes(self) -> tuple[str, ...]:
         present = {p for p, _ in self.placement}
-        return tuple(p for p in (DOWN, UP) if p in present)
+        return tuple(p for p in PIPES if p in present)
 
     @property
     def bidirectional(self) -> bool:
-        return UP in self.pipes
+        """More than the down pipe: actions carry their pipe's prefix in text form."""
+        return self.pipes != (DOWN,)
 
     def pipe_microbatches(self, pipe: str) -> int:
         """Micro-batch units that travel through ``pipe`` per iteration."""

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from chimera.schedule.ir import PIPE_PREFIX  # noqa: E402
 from chimera.timeline.analysis import COMPUTE  # noqa: E402
 from chimera.timeline.events import Event  # noqa: E402
 
@@ -25,6 +26,7 @@ COLORS = {
     ("W", "down"): "#95d5b2",  # the weight-gradient part
     ("W", "up"): "#2d6a4f",
 }
+COLORS.update({(k, p + "2"): c for (k, p), c in list(COLORS.items())})  # four-pipe Chimera: a pipe's direction
 SYNC_COLOR = "#bdbdbd"
 COMM_COLOR = "#e5e5e5"
 SWAP_COLORS = {"SWAP_IN": "#8ac926", "GRAD_OUT": "#6a4c93", "SWAP_OUT": "#c9c9c9"}
@@ -32,7 +34,7 @@ SWAP_COLORS = {"SWAP_IN": "#8ac926", "GRAD_OUT": "#6a4c93", "SWAP_OUT": "#c9c9c9
 
 def _label(e: Event, bidirectional: bool) -> str:
     mb = str(e.microbatch) if e.count == 1 else f"{e.microbatch}-{e.microbatch + e.count - 1}"
-    return (("d" if e.pipe == "down" else "u") + mb) if bidirectional else mb
+    return (PIPE_PREFIX.get(e.pipe, "") + mb) if bidirectional else mb
 
 
 def plot_timeline(
@@ -56,7 +58,7 @@ def plot_timeline(
         fig, ax = plt.subplots(figsize=(width, 0.6 * workers + 1.6))
     else:
         fig = ax.figure
-    bidirectional = any(e.pipe == "up" for e in events)
+    bidirectional = any(e.pipe != "down" for e in events)
     span = max((e.end for e in events), default=1.0) - min((e.start for e in events), default=0.0)
     rows = 2 if any(e.kind in SWAP_COLORS for e in events) else 1
     for e in events:

@@ -23,7 +23,7 @@ from chimera.schedule import Costs, Schedule, from_json, simulate, to_json
 from chimera.timeline.analysis import SWAPS, step_stats, swap_time
 from chimera.timeline.events import Event, events_from_simulation
 
-PIPE_TID = {"down": 0, "up": 1}
+PIPE_TID = {"down": 0, "up": 1, "down2": 3, "up2": 4}  # down2 / up2: four-pipe Chimera
 SWAP_TID = 2  # offload's swaps: a row of their own per worker
 
 
@@ -35,6 +35,8 @@ def chrome_trace(events: Sequence[Event], meta: dict[str, Any] | None = None) ->
         out.append({"name": "process_name", "ph": "M", "pid": w, "tid": 0, "args": {"name": f"worker {w}"}})
         out.append({"name": "process_sort_index", "ph": "M", "pid": w, "tid": 0, "args": {"sort_index": w}})
         for pipe, tid in PIPE_TID.items():
+            if tid > 1 and not any(e.pipe == pipe for e in events):
+                continue
             out.append({"name": "thread_name", "ph": "M", "pid": w, "tid": tid, "args": {"name": f"{pipe} pipe"}})
         if any(e.kind in SWAPS for e in events):
             out.append({"name": "thread_name", "ph": "M", "pid": w, "tid": SWAP_TID, "args": {"name": "swaps"}})
