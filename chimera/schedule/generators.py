@@ -172,16 +172,41 @@ def zb_h2(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedul
     return zero_bubble(one_f_one_b(stages, microbatches), caps, held, False, "zb-h2", order_costs)
 
 
+def _list_ordered(name: str, microbatches: int, placement: dict[tuple[str, int], int], order_costs: Costs,
+                  limits: tuple[int | None, ...]) -> Schedule:
+    """Every stage of ``placement`` forwards and input-gradient backwards its pipe's share of the micro-batches,
+    in the zero-bubble list scheduler's order (:mod:`chimera.schedule.fill`): each worker prefers earlier
+    micro-batches, an I before an F, and fills waits with W, holding at most the first of ``limits`` (micro-batches
+    per worker; None: no limit) it finds an order within."""
+    pipes = {p for p, _ in placement}
+    workers, stages = max(placement.values()) + 1, len(placement) // len(pipes)
+    seqs: list[list[Action]] = [[] for _ in range(workers)]
+    for (pipe, s), w in placement.items():
+        for m in range(microbatches // len(pipes)):
+            seqs[w] += [F(pipe, s, m), Action(Kind.I, pipe, s, m)]
+    for row in seqs:  # earlier micro-batches first; forwards of a micro-batch before its backwards, by depth
+        row.sort(key=lambda a: (a.microbatch, a.kind is Kind.I, a.stage if a.kind is Kind.F else -a.stage, a.pipe))
+    for held in limits:
+        try:
+            rows = list_schedule(stages, placement, seqs, None, None if held is None else [held] * workers,
+                                 costs=order_costs)
+            break
+        except ScheduleConfigError:
+            continue
+    else:  # pragma: no cover - without a memory limit the list scheduler has always found an order
+        raise ScheduleConfigError(f"{name}: no order found for D={workers}, N={microbatches}")
+    return Schedule(stages=stages, microbatches=microbatches, placement=placement, actions=rows, name=name)
+
+
 def bitpipe(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedule:
     """Bidirectional V-shaped pipelines with split backward (BitPipe-style, v = 2).
 
     The model is split into 2D stages. The down pipe runs down the workers and back up (a V: stage s on worker s
     for s < D, else on worker 2D-1-s), the up pipe the mirror image (stage s on worker D-1-s, else s-D), so
     every worker holds four half-size stages: two of each pipe, and both replicas of two stages meet on it in
-    neither pipe's order. N/2 micro-batches go each way. The order comes from the zero-bubble list scheduler
-    (:mod:`chimera.schedule.fill`): each worker prefers earlier micro-batches, an I before an F, and fills waits
-    with W, holding at most 3D half-stage micro-batches (1.5 D micro-batches of activations; more where it finds
-    no order within that, as at D = 16, N >= 3D).
+    neither pipe's order. N/2 micro-batches go each way, ordered by the zero-bubble list scheduler, each worker
+    holding at most 3D half-stage micro-batches (1.5 D micro-batches of activations; more where it finds no
+    order within that, as at D = 16, N >= 3D).
     """
     _check_common(stages, microbatches)
     if microbatches % 2:
@@ -190,22 +215,7 @@ def bitpipe(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Sched
     d, parts = stages, 2 * stages
     placement = {(DOWN, s): s if s < d else parts - 1 - s for s in range(parts)}
     placement.update({(UP, s): d - 1 - s if s < d else s - d for s in range(parts)})
-    seqs: list[list[Action]] = [[] for _ in range(d)]
-    for (pipe, s), w in placement.items():
-        for m in range(microbatches // 2):
-            seqs[w] += [F(pipe, s, m), Action(Kind.I, pipe, s, m)]
-    for row in seqs:  # earlier micro-batches first; forwards of a micro-batch before its backwards, by depth
-        row.sort(key=lambda a: (a.microbatch, a.kind is Kind.I, a.stage if a.kind is Kind.F else -a.stage, a.pipe))
-    for held in (3 * d, 4 * d, 6 * d, 8 * d, None):  # the least limit the list scheduler finds an order within
-        try:
-            rows = list_schedule(parts, placement, seqs, None, None if held is None else [held] * d,
-                                 costs=order_costs)
-            break
-        except ScheduleConfigError:
-            continue
-    else:  # pragma: no cover - without a memory limit the list scheduler has always found an order
-        raise ScheduleConfigError(f"bitpipe: no order found for D={stages}, N={microbatches}")
-    return Schedule(stages=parts, microbatches=microbatches, placement=placement, actions=rows, name="bitpipe")
+    return _list_ordered("bitpipe", microbatches, placement, order_costs, (3 * d, 4 * d, 6 * d, 8 * d, None))
 
 
 def chimera4(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedule:
@@ -214,9 +224,9 @@ def chimera4(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Sche
     Besides Chimera's down pipe (stage s on worker s) and up pipe (worker D-1-s), a second down and a second up
     pipe run shifted by D/2 workers, so four workers start a pipeline at once instead of two and the start-up
     bubble halves. Every worker holds four stages (two stage pairs, 4/D of the model: the price is weight memory
-    and a four-way gradient sum per stage); N/4 micro-batches go through each pipe. The order comes from the
-    zero-bubble list scheduler (:mod:`chimera.schedule.fill`), W filling the waits, each worker holding at most
-    D micro-batches of activations (1F1B's peak; more only where no order fits within it).
+    and a four-way gradient sum per stage); N/4 micro-batches go through each pipe, ordered by the zero-bubble
+    list scheduler, each worker holding at most D micro-batches of activations (1F1B's peak; more only where no
+    order fits within it).
     """
     _check_common(stages, microbatches)
     if stages % 4 or microbatches % 4:
@@ -226,21 +236,7 @@ def chimera4(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Sche
     placement: dict[tuple[str, int], int] = {}
     for s in range(d):
         placement.update({(DOWN, s): s, (UP, s): d - 1 - s, (DOWN2, s): (s + h) % d, (UP2, s): (d - 1 - s + h) % d})
-    seqs: list[list[Action]] = [[] for _ in range(d)]
-    for (pipe, s), w in placement.items():
-        for m in range(microbatches // 4):
-            seqs[w] += [F(pipe, s, m), Action(Kind.I, pipe, s, m)]
-    for row in seqs:  # earlier micro-batches first; forwards of a micro-batch before its backwards, by depth
-        row.sort(key=lambda a: (a.microbatch, a.kind is Kind.I, a.stage if a.kind is Kind.F else -a.stage, a.pipe))
-    for held in (d, 2 * d, 4 * d, None):  # the least limit the list scheduler finds an order within
-        try:
-            rows = list_schedule(d, placement, seqs, None, None if held is None else [held] * d, costs=order_costs)
-            break
-        except ScheduleConfigError:
-            continue
-    else:  # pragma: no cover - without a memory limit the list scheduler has always found an order
-        raise ScheduleConfigError(f"chimera4: no order found for D={stages}, N={microbatches}")
-    return Schedule(stages=d, microbatches=microbatches, placement=placement, actions=rows, name="chimera4")
+    return _list_ordered("chimera4", microbatches, placement, order_costs, (d, 2 * d, 4 * d, None))
 
 
 CHIMERA_MODES = ("direct", "doubling", "halving")
