@@ -39,6 +39,7 @@ DOWN2 = "down2"  # Chimera with four pipelines: a second down pipe, shifted by D
 UP2 = "up2"  # and a second up pipe, shifted likewise
 PIPES = (DOWN, UP, DOWN2, UP2)
 PIPE_PREFIX = {DOWN: "d", UP: "u", DOWN2: "D", UP2: "U"}
+DIRECTION = {DOWN: DOWN, UP: UP, DOWN2: DOWN, UP2: UP}  # which way each pipe runs over the workers
 PREFIX_PIPE = {v: k for k, v in PIPE_PREFIX.items()}
 _PREFIXES = "".join(PIPE_PREFIX.values())
 

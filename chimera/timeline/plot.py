@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from chimera.schedule.ir import PIPE_PREFIX  # noqa: E402
+from chimera.schedule.ir import DIRECTION, PIPE_PREFIX  # noqa: E402
 from chimera.timeline.analysis import COMPUTE  # noqa: E402
 from chimera.timeline.events import Event  # noqa: E402
 
@@ -26,7 +26,6 @@ COLORS = {
     ("W", "down"): "#95d5b2",  # the weight-gradient part
     ("W", "up"): "#2d6a4f",
 }
-COLORS.update({(k, p + "2"): c for (k, p), c in list(COLORS.items())})  # four-pipe Chimera: a pipe's direction
 SYNC_COLOR = "#bdbdbd"
 COMM_COLOR = "#e5e5e5"
 SWAP_COLORS = {"SWAP_IN": "#8ac926", "GRAD_OUT": "#6a4c93", "SWAP_OUT": "#c9c9c9"}
@@ -68,7 +67,7 @@ def plot_timeline(
                 ax.broken_barh([(e.start, e.duration)], (y - 1 - 0.3, 0.6), facecolors=SWAP_COLORS[e.kind],
                                edgecolors="black", linewidth=0.3)
         elif e.kind in COMPUTE:
-            ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=COLORS[(e.kind, e.pipe)],
+            ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=COLORS[(e.kind, DIRECTION[e.pipe])],
                            edgecolors="black", linewidth=0.4)
             if e.duration > span / 60:
                 ax.text(e.start + e.duration / 2, y, _label(e, bidirectional), ha="center", va="center", fontsize=7)

@@ -31,11 +31,12 @@ def chrome_trace(events: Sequence[Event], meta: dict[str, Any] | None = None) ->
     """Chrome trace JSON: complete ("X") events in microseconds from the first event, named like the action."""
     t0 = min((e.start for e in events), default=0.0)
     out: list[dict[str, Any]] = []
+    pipes = {"down", "up"} | {e.pipe for e in events}  # both directions always; four-pipe Chimera's where present
     for w in sorted({e.worker for e in events}):
         out.append({"name": "process_name", "ph": "M", "pid": w, "tid": 0, "args": {"name": f"worker {w}"}})
         out.append({"name": "process_sort_index", "ph": "M", "pid": w, "tid": 0, "args": {"sort_index": w}})
         for pipe, tid in PIPE_TID.items():
-            if tid > 1 and not any(e.pipe == pipe for e in events):
+            if pipe not in pipes:
                 continue
             out.append({"name": "thread_name", "ph": "M", "pid": w, "tid": tid, "args": {"name": f"{pipe} pipe"}})
         if any(e.kind in SWAPS for e in events):
