@@ -8,6 +8,7 @@ Examples::
     chimera schedule plot chimera --stages 4 --micro-batches 8 -o chimera.png
     chimera schedule simulate chimera -D 2 -N 4 --offload everything --prefetch 1 --swap-in 1 --swap-out 1
     chimera schedule best -D 8 -N 16 --fwd 1 --bwd 1 --wgrad 1 --memory-limit 8
+    chimera schedule best -D 8 -N 16 --fwd 1 --bwd 1 --wgrad 1 --memory-limit 16 --weight-memory 2
     chimera data prepare enwiki-latest-pages-articles.xml.bz2 -o wikipedia.segmented.txt
     chimera data tokenizer wikipedia.segmented.txt --vocab-size 30522
     chimera train --model bert-base --corpus wikipedia.segmented.txt
@@ -133,8 +134,10 @@ def cmd_best(args: argparse.Namespace) -> int:
 
     if args.stages < 1 or args.micro_batches < 1:
         raise UsageError("need --stages >= 1 and --micro-batches >= 1")
+    if args.weight_memory < 0:
+        raise UsageError(f"--weight-memory must be >= 0, got {args.weight_memory}")
     choice, ranked = best(args.stages, args.micro_batches, _costs(args), args.memory_limit,
-                          halving=not args.no_halving)
+                          halving=not args.no_halving, weight_memory=args.weight_memory)
     print(json.dumps(ranking(choice, ranked)) if args.json else table(choice, ranked))
     return 0
 
@@ -241,7 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--stages", "-D", type=int, required=True, help="pipeline depth D")
             p.add_argument("--micro-batches", "-N", type=int, required=True, help="micro-batches per iteration N")
             p.add_argument("--memory-limit", type=_number, default=None,
-                           help="most micro-batches of activations a worker may hold (peak_activations)")
+                           help="most memory a worker may hold, in micro-batches of activations: its peak "
+                                "activations plus --weight-memory per share of the model it holds")
+            p.add_argument("--weight-memory", type=_number, default=Fraction(0),
+                           help="memory of one worker's share of the model (parameters, gradients, optimizer state) "
+                                "in micro-batches of activations; a schedule holds 1 (1F1B) to 4 (chimera4) shares "
+                                "(default 0: activations only)")
             p.add_argument("--no-halving", action="store_true",
                            help="leave out Chimera's backward halving (odd micro-batch size, or a unit's cost that "
                                 "does not shrink with its size)")

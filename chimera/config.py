@@ -238,14 +238,24 @@ def _schedule(cfg: TrainConfig, chain: LayerChain | None) -> tuple[Schedule, Tra
         from chimera.schedule.best import auto_costs, best, explain
 
         costs, halving = auto_costs(chain, s.stages, s.micro_batch_size)
-        choice, ranked = best(s.stages, s.micro_batches, costs, halving=halving, layers=chain.num_layers)
+        _, ranked = best(s.stages, s.micro_batches, costs, halving=halving, layers=chain.num_layers)
+        ranked = _fit_choice(cfg, chain, ranked)
+        choice = ranked[0]
     except ScheduleConfigError as e:
         raise ConfigError(str(e) if "--" in str(e) else f"--schedule {s.name}: {e}") from None
     o = choice.options
     chosen = cfg.with_flags(schedule=choice.name, mode=o.get("mode", s.mode), chunks=o.get("chunks", s.chunks),
                             split_backward=o.get("split_backward", False))
-    return build_schedule(choice.name, s.stages, s.micro_batches, data_parallel=s.data_parallel, **o), chosen, \
-        explain(choice, ranked)
+    return choice.schedule.with_data_parallel(s.data_parallel), chosen, explain(choice, ranked)
+
+
+def _fit_choice(cfg: TrainConfig, chain: LayerChain, ranked: list[Any]) -> list[Any]:
+    """auto's ranking with the candidates the memory model says cannot fit a worker marked (weights included:
+    four-pipe Chimera holds twice Chimera's share of the model); priced on the uniform split for a planned one."""
+    from chimera.plan.fit import fit_choice
+
+    method = "uniform" if cfg.model.partition == "planned" else _partition_method(cfg.model.partition)
+    return fit_choice(cfg, chain, ranked, lambda stages: partition(chain, stages, method))
 
 
 def _need(ok: bool, message: str) -> None:

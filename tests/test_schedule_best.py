@@ -46,6 +46,51 @@ def test_memory_limit_and_costs_change_the_choice():
     assert [c.label for c in rank(3, 4, EQUAL)] and all("chimera" not in c.label for c in rank(3, 4, EQUAL))
 
 
+def test_weight_memory_counts_the_shares_a_schedule_holds():
+    """Four-pipe Chimera holds 4 shares of the model per worker, Chimera 2, 1F1B 1: with weights in the limit the
+    fastest can lose to one that holds less."""
+    shares = {c.label: c.shares for c in rank(8, 16, EQUAL)}
+    assert shares["chimera4"] == 4 and shares["chimera --mode direct"] == 2 and shares["bitpipe"] == 2
+    assert shares["1f1b"] == 1 and shares["interleaved --chunks 2"] == 1 and shares["zb-h1"] == 1
+    assert best(8, 16, EQUAL, memory_limit=16, weight_memory=2)[0].label == "chimera4"  # 8 + 4 x 2
+    choice, ranked = best(8, 16, EQUAL, memory_limit=15, weight_memory=2)
+    assert choice.label == "chimera --mode halving --split-backward"  # 4 + 2 x 2
+    assert next(c for c in ranked if c.label == "chimera4").over == "needs 16"
+    with pytest.raises(ScheduleConfigError, match="least any needs is 6"):  # 1F1B split, ZB-H1: 4 + 2
+        best(4, 8, EQUAL, memory_limit=5, weight_memory=2)
+
+
+def test_auto_in_the_config_weighs_each_candidates_memory():
+    """With --memory-per-worker, training's auto picks the fastest schedule the memory model says fits (weights
+    included), and says which faster ones it left out and what they need."""
+    from chimera.plan.fit import estimate_peaks
+    from chimera.schedule.best import auto_costs
+
+    cfg = TrainConfig.from_flags(model="gpt2-tiny", corpus="synthetic", seq_len=16, schedule="auto", stages=4,
+                                 micro_batches=8, partition="uniform")
+    chain = cfg.preset_chain()
+    ranked = rank(4, 8, auto_costs(chain, 4, 4)[0], layers=chain.num_layers)
+    need = {c.label: max(m.total for m in estimate_peaks(chain, c.schedule, chain_split(chain, c.schedule.stages),
+                                                         int(4 * c.schedule.microbatch_scale), "lamb", False))
+            for c in ranked}
+    assert cfg.check().cfg.schedule.name == "chimera4"
+    runner_up = min(n for label, n in need.items() if label != "chimera4")
+    budget = (runner_up + need["chimera4"]) // 2
+    tight = cfg.with_flags(memory_per_worker=str(budget)).check()
+    assert tight.cfg.schedule.name != "chimera4" and "over the memory limit: chimera4 (needs" in tight.schedule_choice
+    label = tight.schedule_choice.split(": ")[1]
+    chosen = next(c for c in ranked if c.label == label)
+    assert need[label] <= budget and all(need[c.label] > budget for c in ranked if c.makespan < chosen.makespan)
+    packed = cfg.with_flags(memory_per_worker="1GiB", offload="everything", offload_pack=1).check()
+    assert not packed.cfg.schedule.split_backward  # streaming weights through one backward: whole backward only
+
+
+def chain_split(chain, stages):
+    from chimera.models import partition
+
+    return partition(chain, stages, "uniform")
+
+
 def test_cli_best_prints_the_choice_and_why(capsys):
     assert main(["schedule", "best", "-D", "4", "-N", "8", "--fwd", "1", "--bwd", "1", "--wgrad", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -6,11 +6,12 @@ micro-batch size can be priced in well under a second without a profile::
 
     peaks = estimate_peaks(chain, schedule, stage_layers, unit=4, optimizer="adamw", recompute=False)
     check_fits(cfg, chain, schedule, stage_layers)   # ConfigError naming --micro-batch-size when it cannot fit
+    ranked = fit_choice(cfg, chain, ranked, split)     # --schedule auto: candidates over the memory marked
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -110,3 +111,51 @@ def fit_budget(cfg: Any, chain: Any, sched: Schedule, stage_layers: list[list[in
     except ValueError as e:
         raise ConfigError(f"--memory-per-worker {t.memory_per_worker}: {e}") from None
     return cfg.with_flags(offload=off.text), lowered
+
+
+def fit_choice(cfg: Any, chain: Any, ranked: Sequence[Any], split: Callable[[int], list[list[int]]]) -> list[Any]:
+    """``--schedule auto``'s ranking (:func:`chimera.schedule.best.rank`) with the candidates that the memory model
+    says cannot fit marked (:func:`chimera.schedule.best.exclude`), so that its first is the fastest that fits.
+
+    The budget is ``--memory-per-worker``, else the memory a worker has (:func:`available_per_worker`); each
+    candidate is priced on ``split(stages)`` (its stage -> layers map) at its unit size, weights included, so that
+    a schedule holding more of the model (Chimera 2, four-pipe Chimera 4 shares) pays for it. With a budget the
+    configured offload is priced; with ``--offload auto`` a schedule that fits without offload is preferred to a
+    faster one that needs it, and so on up the policies. When nothing fits, the ranking is returned unmarked and
+    the checks that follow refuse the fastest, naming what to change.
+    """
+    from chimera.schedule import OFFLOAD_POLICIES, Offload, lower
+    from chimera.schedule.best import exclude
+
+    s, t = cfg.schedule, cfg.training
+    have = available_per_worker(cfg, s.stages * s.data_parallel)
+    if have is None:
+        return list(ranked)
+    budget = have[0]
+    budgeted = t.memory_per_worker is not None
+    policies = (OFFLOAD_POLICIES if t.offload == "auto" else (t.offload,)) if budgeted else (None,)
+    profiles: dict[int, Any] = {}
+    for policy in policies:
+        over: dict[str, str] = {}
+        for c in (c for c in ranked if c.fits):
+            if t.offload_pack and c.options.get("split_backward"):
+                over[c.label] = "--offload-pack needs a whole backward"
+                continue
+            sched = c.schedule
+            unit = int(s.micro_batch_size * sched.microbatch_scale)
+            if unit not in profiles:
+                profiles[unit] = shapes_profile(chain, unit)
+            try:
+                off = Offload(policy, t.prefetch, t.offload_pack) if policy else None
+                mem = worker_memory(profiles[unit], lower(sched, off) if off else sched, split(sched.stages), unit,
+                                    t.optimizer, t.recompute, t.device != "cuda", offload=off)
+            except ValueError as e:
+                over[c.label] = str(e)
+                continue
+            need = max(m.total for m in mem)
+            if need <= budget:
+                return exclude(ranked, over)
+            over[c.label] = f"needs {need / GiB:.2f} of {budget / GiB:.2f} GiB" + (
+                f" with --offload {policy}" if policy and policy != "none" else "")
+    return list(ranked)
+

@@ -12,8 +12,12 @@ Costs are those of one worker's share of the model (the model split D ways): a s
 worker and pipe (interleaved) charges each of its D*v stages 1/v of them. As the runtime runs a split
 backward, the first stage's input-gradient part costs nothing and its weight-gradient part its whole backward
 (``Costs.first_stage_whole_backward``); the zero-bubble list scheduler orders with those per-stage costs.
-``memory_limit`` bounds the peak activations per worker in micro-batches (the simulator's ``peak_activations``). 1F1B is always a candidate, so
-the choice is never slower than 1F1B when 1F1B fits.
+``memory_limit`` bounds a worker's memory in micro-batches of activations: its peak activations (the
+simulator's ``peak_activations``) plus ``weight_memory`` (one share of the model's parameters, gradients and
+optimizer state, in the same unit) times the shares it holds (``Choice.shares``: 1 for 1F1B, 2 for Chimera,
+4 for four-pipe Chimera). 1F1B is always a candidate, so the choice is never slower than 1F1B when 1F1B fits.
+Training's ``auto`` prices the candidates in bytes instead (:func:`chimera.plan.fit.fit_choice`) and marks
+those over the budget with :func:`exclude`.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ from fractions import Fraction
 from typing import Any
 
 from chimera.schedule.generators import ScheduleConfigError, build_schedule
+from chimera.schedule.ir import Schedule
 from chimera.schedule.simulate import Costs, Num, simulate
 
 
 @dataclass(frozen=True)
 class Choice:
-    """One simulated candidate: its flags (``label``), build options, makespan, bubble, peak activations."""
+    """One simulated candidate: its flags (``label``), build options, makespan, bubble, peak activations, the
+    shares of the model a worker holds, whether it fits (and if not, ``over``: by how much), the schedule."""
 
     label: str
     name: str
@@ -39,6 +45,9 @@ class Choice:
     bubble: Num = 0
     peak: Num = 0
     fits: bool = True
+    shares: Num = 1
+    over: str = ""
+    schedule: Schedule | None = field(default=None, compare=False, repr=False)
 
 
 def candidates(stages: int, microbatches: int, halving: bool = True) -> list[tuple[str, str, dict[str, Any]]]:
@@ -79,8 +88,12 @@ def per_stage(costs: Costs, chunks: int) -> Costs:
                                allreduce=split(costs.allreduce))
 
 
+def _num(x: Num) -> Num:
+    return int(x) if x == int(x) else x
+
+
 def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
-         halving: bool = True, layers: int | None = None) -> list[Choice]:
+         halving: bool = True, layers: int | None = None, weight_memory: Num = 0) -> list[Choice]:
     """Every candidate simulated with ``costs``; those that fit first, fastest first (then least memory).
     ``layers``: leave out candidates with more stages than the model has layers."""
     out = []
@@ -95,21 +108,38 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
         except ScheduleConfigError:
             continue
         r = simulate(s, split)
-        peak = max(r.peak_activations) / chunks  # a stage of a D*chunks pipe stashes 1/chunks of a share
-        peak = int(peak) if peak == int(peak) else peak
-        out.append(Choice(label, name, options, r.makespan, r.bubble, peak, memory_limit is None or peak <= memory_limit))
+        peak = _num(Fraction(max(r.peak_activations)) / chunks)  # a stage of a D*chunks pipe: 1/chunks of a share
+        shares = _num(Fraction(max(len(s.stages_of(w)) for w in range(s.workers)), chunks))
+        need = peak + weight_memory * shares
+        over = "" if memory_limit is None or need <= memory_limit else f"needs {float(need):g}"
+        out.append(Choice(label, name, options, r.makespan, r.bubble, peak, not over, shares, over, s))
+    return _sorted(out)
+
+
+def _sorted(choices: Sequence[Choice]) -> list[Choice]:
     # ties: the simpler schedule (no split backward), then the least memory
-    return sorted(out, key=lambda c: (not c.fits, c.makespan, c.options.get("split_backward", False), c.peak))
+    return sorted(choices, key=lambda c: (not c.fits, c.makespan, c.options.get("split_backward", False), c.peak,
+                                          c.shares))
+
+
+def exclude(ranked: Sequence[Choice], over: dict[str, str]) -> list[Choice]:
+    """``ranked`` with the candidates named in ``over`` (label -> by how much) marked as not fitting."""
+    return _sorted([dataclasses.replace(c, fits=False, over=over[c.label]) if c.label in over else c for c in ranked])
 
 
 def best(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
-         halving: bool = True, layers: int | None = None) -> tuple[Choice, list[Choice]]:
+         halving: bool = True, layers: int | None = None, weight_memory: Num = 0) -> tuple[Choice, list[Choice]]:
     """The fastest candidate that fits, and the whole ranking; ScheduleConfigError when none fits."""
-    ranked = rank(stages, microbatches, costs, memory_limit, halving, layers)
-    if not ranked or not ranked[0].fits:
-        least = min((c.peak for c in ranked), default=None)
+    ranked = rank(stages, microbatches, costs, memory_limit, halving, layers, weight_memory)
+    if not ranked:
+        few = f": the model has {layers} layers, fewer than the {stages} stages; lower --stages" if layers else ""
+        raise ScheduleConfigError(f"no schedule builds for D={stages}, N={microbatches}{few}")
+    if not ranked[0].fits:
+        least = min((c.peak + weight_memory * c.shares for c in ranked), default=None)
         raise ScheduleConfigError(f"no schedule for D={stages}, N={microbatches} fits --memory-limit {memory_limit} "
-                                  f"micro-batches of activations per worker; the least any needs is {least}")
+                                  f"micro-batches of activations per worker (weights included at --weight-memory "
+                                  f"{weight_memory} per share); the least any needs is {least}: raise the limit, "
+                                  "or lower --weight-memory")
     return ranked[0], ranked
 
 
@@ -122,7 +152,7 @@ def explain(choice: Choice, ranked: Sequence[Choice]) -> str:
            f"({float(ref.makespan):g})")
     if others:
         why += f"; next: {others[0].label} ({float(others[0].makespan):g})"
-    skipped = [c.label for c in ranked if not c.fits]
+    skipped = [f"{c.label} ({c.over})" if c.over else c.label for c in ranked if not c.fits]
     if skipped:
         why += f"; over the memory limit: {', '.join(skipped)}"
     return why
@@ -132,14 +162,15 @@ def ranking(choice: Choice, ranked: Sequence[Choice]) -> dict[str, Any]:
     """JSON-ready: the choice, why, and every candidate's figures."""
     return {"choice": choice.label, "why": explain(choice, ranked), "candidates": [
         {"schedule": c.label, "makespan": float(c.makespan), "bubble": float(c.bubble), "peak": float(c.peak),
-         "fits": c.fits} for c in ranked]}
+         "shares": float(c.shares), "fits": c.fits, **({"over": c.over} if c.over else {})} for c in ranked]}
 
 
 def table(choice: Choice, ranked: Sequence[Choice]) -> str:
     """One line per candidate, then why the choice."""
-    lines = [f"{'schedule':<42} {'makespan':>9} {'bubble':>7} {'peak':>5}"]
-    lines += [f"{c.label:<42} {float(c.makespan):>9g} {float(c.bubble):>7.3f} {float(c.peak):>5g}"
-              f"{'' if c.fits else '  over --memory-limit'}" for c in ranked]
+    lines = [f"{'schedule':<42} {'makespan':>9} {'bubble':>7} {'peak':>5} {'shares':>6}"]
+    lines += [f"{c.label:<42} {float(c.makespan):>9g} {float(c.bubble):>7.3f} {float(c.peak):>5g} "
+              f"{float(c.shares):>6g}{'' if c.fits else '  over the memory limit: ' + (c.over or '')}"
+              for c in ranked]
     return "\n".join([*lines, explain(choice, ranked)])
 
 
