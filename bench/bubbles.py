@@ -28,6 +28,7 @@ import ray  # noqa: E402
 from bench.predict import delay_costs  # noqa: E402
 from chimera.config import TrainConfig  # noqa: E402
 from chimera.schedule import Costs, simulate  # noqa: E402
+from chimera.schedule.generators import SPLIT_ONLY  # noqa: E402
 from chimera.timeline.analysis import step_stats  # noqa: E402
 from ray_launch.driver import RayJob  # noqa: E402
 
@@ -41,7 +42,7 @@ ROWS = [("chimera", 4, 4, "direct"), ("1f1b", 4, 4, "direct"), ("gpipe", 4, 4, "
         ("zb-h1", 4, 8, "direct"), ("zb-h2", 4, 8, "direct"), ("1f1b", 4, 8, "split"), ("chimera", 4, 4, "split"),
         ("chimera", 4, 8, "split"), ("chimera", 8, 16, "split"), ("zb-h1", 8, 16, "direct"), ("bitpipe", 4, 8, "direct"),
         ("chimera4", 4, 4, "direct"), ("chimera4", 4, 8, "direct"), ("chimera4", 8, 16, "direct")]
-SPLIT = ("zb-h1", "zb-h2", "bitpipe", "chimera4")  # schedules that always split the backward
+SPLIT = SPLIT_ONLY  # schedules that always split the backward
 HALF_STAGES = ("bitpipe",)  # 2D stages of half a block's sleep each
 
 

@@ -107,5 +107,7 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
 
     sizes = _climb(min_max_split(work, d), load, limit=4 * d)
     if d <= simulated_up_to:
-        sizes = _climb(sizes, simulated, limit=rounds)
+        start, sizes = sizes, _climb(sizes, simulated, limit=rounds)
+        if simulated(sizes)[0] > 0:  # stuck over the limit: the fastest path may pass partitions over it to one under
+            sizes = min(sizes, _climb(start, lambda s: simulated(s)[1:], limit=rounds), key=simulated)
     return cache[tuple(sizes)] if tuple(sizes) in cache else evaluate(sizes)

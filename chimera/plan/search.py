@@ -1,7 +1,9 @@
 """The planner: enumerate configurations, prune, partition, simulate, rank.
 
-For K workers and a global batch G it considers every schedule the runtime runs (GPipe, 1F1B, interleaved
-with two chunks per worker, Chimera in its three modes), every depth D dividing K (W = K / D), every profiled
+For K workers and a global batch G it considers every schedule the runtime runs (GPipe and the candidates of
+``--schedule auto``, :func:`chimera.schedule.best.candidates`: 1F1B, interleaved with two chunks per worker,
+Chimera in its three modes, each with a whole and a split backward, ZB-H1, ZB-H2, BitPipe, four-pipe
+Chimera), every depth D dividing K (W = K / D), every profiled
 micro-batch size B with N = G / (B W) micro-batches, and recomputation where memory asks for it. A candidate the
 runtime cannot run, or whose best partition does not fit the memory limit, is kept with the reason; one that does
 not fit is tried again recomputing, then with the optimizer state, the gradients and the weights in host memory
@@ -26,10 +28,18 @@ from chimera.plan.memory import WorkerMemory, worker_memory
 from chimera.plan.partition import PartitionResult, plan_partition
 from chimera.profile import Profile
 from chimera.schedule import OFFLOAD_POLICIES, Offload, Schedule, ScheduleConfigError, build_schedule, lower
+from chimera.schedule.best import candidates as best_candidates
+from chimera.schedule.generators import CHUNKED, SPLIT_ONLY
 from chimera.splits import layers_of
 
-SCHEDULES = (("gpipe", "direct"), ("1f1b", "direct"), ("interleaved", "direct"), ("chimera", "direct"),
-             ("chimera", "doubling"), ("chimera", "halving"))
+
+def schedules(stages: int, microbatches: int) -> list[tuple[str, str, int, bool]]:
+    """(schedule, Chimera mode, chunks, split backward) of every schedule that builds for (D, N): GPipe, then
+    ``--schedule auto``'s candidates (one list of them, :func:`chimera.schedule.best.candidates`)."""
+    out = [("gpipe", "direct", 2, False)]
+    for _, name, o in best_candidates(stages, microbatches):
+        out.append((name, o.get("mode", "direct"), o.get("chunks", 2), o.get("split_backward", False)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,7 @@ class Candidate:
     recompute: bool
     chunks: int = 2
     offload: str = "none"
+    split_backward: bool = False
 
     @property
     def unit(self) -> int:
@@ -56,13 +67,19 @@ class Candidate:
         return {"schedule": self.schedule, "mode": self.mode, "stages": self.stages,
                 "data_parallel": self.data_parallel, "micro_batch_size": self.micro_batch_size,
                 "micro_batches": self.micro_batches, "recompute": self.recompute, "chunks": self.chunks,
-                "offload": self.offload}
+                "offload": self.offload, "split_backward": self.split_backward}
+
+    @property
+    def parts(self) -> int:
+        """Stages the model is cut into: D, or D x chunks where a worker holds several per pipe."""
+        return self.stages * (self.chunks if self.schedule in CHUNKED else 1)
 
     @property
     def label(self) -> str:
         name = self.schedule if self.schedule != "chimera" else f"chimera-{self.mode}"
-        return name + ("+recompute" if self.recompute else "") + (f"+offload-{self.offload}"
-                                                                  if self.offload != "none" else "")
+        split = self.split_backward and self.schedule not in SPLIT_ONLY
+        return name + ("+split" if split else "") + ("+recompute" if self.recompute else "") + (
+            f"+offload-{self.offload}" if self.offload != "none" else "")
 
 
 @dataclass(frozen=True)
@@ -101,33 +118,33 @@ def candidates(num_layers: int, workers: int, global_batch: int, sizes: Sequence
     built = {} if built is None else built
     for d in [stages] if stages else _divisors(workers):
         w = workers // d
-        for name, mode in SCHEDULES:
-            if d == 1 and name != "1f1b":
-                continue  # one stage: every schedule is the same
-            for b in sizes:
-                if global_batch % (b * w):
-                    continue  # this B cannot make the global batch at this width
-                c = Candidate(name, mode, d, w, b, global_batch // (b * w), False)
+        for b in sizes:
+            if global_batch % (b * w):
+                continue  # this B cannot make the global batch at this width
+            n = global_batch // (b * w)
+            # one stage: every schedule is the same
+            for name, mode, chunks, split in schedules(d, n) if d > 1 else [("1f1b", "direct", 2, False)]:
+                c = Candidate(name, mode, d, w, b, n, False, chunks, split_backward=split)
                 yield c, _why_not(c, num_layers, sizes, built)
 
 
 def _schedule(c: Candidate, built: dict[tuple[Any, ...], Schedule]) -> Schedule:
-    key = (c.schedule, c.stages, c.micro_batches, c.mode, c.chunks, c.data_parallel)
+    key = (c.schedule, c.stages, c.micro_batches, c.mode, c.chunks, c.data_parallel, c.split_backward)
     if key not in built:
         built[key] = build_schedule(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode,
-                                    data_parallel=c.data_parallel)
+                                    data_parallel=c.data_parallel, split_backward=c.split_backward)
     return built[key]
 
 
 def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int], built: dict[tuple[Any, ...], Schedule]
              ) -> str | None:
-    parts = c.stages * (c.chunks if c.schedule == "interleaved" else 1)
-    if parts > num_layers:
-        return f"{parts} stages > {num_layers} layers"
-    try:
-        _schedule(c, built)
-    except ScheduleConfigError as e:
-        return str(e)
+    if c.parts > num_layers:
+        return f"{c.parts} stages > {num_layers} layers"
+    if not c.split_backward:  # cheap to build; the list-ordered (split) ones are built when evaluated
+        try:
+            _schedule(c, built)
+        except ScheduleConfigError as e:
+            return str(e)
     if c.mode == "halving" and c.micro_batch_size % 2:
         return f"halving splits micro-batches in two: B = {c.micro_batch_size} is odd"
     if c.mode == "halving" and c.unit not in sizes:
@@ -164,21 +181,26 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
         if len(best) >= top and bound >= -best[0]:
             result.pruned += 1
             continue
-        ev = _evaluate(profile, c, _schedule(c, built), memory_limit, optimizer, exchange, rounds=0, exact=False)
+        try:
+            sched = _schedule(c, built)
+        except ScheduleConfigError as e:
+            result.infeasible.append(Evaluated(c, reason=str(e)))
+            continue
+        ev = _evaluate(profile, c, sched, memory_limit, optimizer, exchange, rounds=0, exact=False)
         if ev.reason is not None and "memory" in ev.reason and not c.recompute:
             result.infeasible.append(ev)  # try the same configuration recomputing
-            ev = _evaluate(profile, Candidate(**{**c.flags(), "recompute": True}), _schedule(c, built), memory_limit,
-                           optimizer, exchange, rounds=0, exact=False)
+            ev = _evaluate(profile, Candidate(**{**c.flags(), "recompute": True}), sched, memory_limit, optimizer,
+                           exchange, rounds=0, exact=False)
         for policy in OFFLOAD_POLICIES[1:]:  # then with ever more of its state in host memory
             if ev.reason is None or "memory" not in ev.reason:
                 break
             result.infeasible.append(ev)
-            ev = _evaluate(profile, Candidate(**{**ev.candidate.flags(), "offload": policy}), _schedule(c, built),
-                           memory_limit, optimizer, exchange, rounds=0, exact=False)
+            ev = _evaluate(profile, Candidate(**{**ev.candidate.flags(), "offload": policy}), sched, memory_limit,
+                           optimizer, exchange, rounds=0, exact=False)
         if ev.reason is not None:
             result.infeasible.append(ev)
             continue
-        for fit in [ev, *_per_stage(profile, ev, _schedule(c, built), memory_limit, optimizer, exchange)]:
+        for fit in [ev, *_per_stage(profile, ev, sched, memory_limit, optimizer, exchange)]:
             result.ranked.append(fit)
             heapq.heappush(best, -fit.step_s)  # type: ignore[operator]
             if len(best) > top:
@@ -208,6 +230,8 @@ def _lower_bound(profile: Profile, c: Candidate, cache: dict[tuple[int, bool], t
         ahead = max(0, d // 2 - 1) / d * (1 if c.mode == "direct" else 2)
     elif c.schedule == "interleaved":
         ahead = (d - 1) / (d * c.chunks)
+    elif c.schedule in ("bitpipe", "chimera4"):  # pipes start at four workers (BitPipe: D/2-1 half stages, more)
+        ahead = max(0, d // 4 - 1) / d
     else:
         ahead = (d - 1) / d
     return units * work / d + ahead * forward

@@ -76,12 +76,13 @@ class _Run:
     def ready(self, a: Action, w: int, t: Any) -> bool:
         if a.kind is _W:
             return True
-        for m in a.microbatches:  # what it consumes: the previous stage's forward, or its own and the next I
-            if a.kind is Kind.F:
-                if a.stage > 0 and not self._made((Kind.F, a.pipe, a.stage - 1, m), t):
+        made = self._made
+        for m in range(a.microbatch, a.microbatch + a.count):  # what it consumes: the previous stage's forward,
+            if a.kind is Kind.F:                                 # or its own and the next stage's I
+                if a.stage > 0 and not made((Kind.F, a.pipe, a.stage - 1, m), t):
                     return False
-            elif not self._made((Kind.F, a.pipe, a.stage, m), t) or (
-                    a.stage < self.stages - 1 and not self._made((_I, a.pipe, a.stage + 1, m), t)):
+            elif not made((Kind.F, a.pipe, a.stage, m), t) or (
+                    a.stage < self.stages - 1 and not made((_I, a.pipe, a.stage + 1, m), t)):
                 return False
         remote = self._remote(a, w)
         return remote is None or self.channels[remote[0]][0] == remote[1]
@@ -108,6 +109,7 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
     workers = [_Worker(seq, caps[w] if caps else None, defer[w] if defer else None) for w, seq in enumerate(seqs)]
     events: list[Any] = [0]
     t: Any = 0
+    cost: dict[tuple[Kind, int, int], Any] = {}  # costs.of, per (kind, stage, count): asked once per action
     while events:
         t = heapq.heappop(events)
         while events and events[0] == t:
@@ -118,7 +120,10 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
             a = _pick(w, i, t, run, in_order)
             if a is None:
                 continue
-            w.free_at = t + costs.of(a)
+            key = (a.kind, a.stage, a.count)
+            if key not in cost:
+                cost[key] = costs.of(a)
+            w.free_at = t + cost[key]
             run.start(a, i, w.free_at)
             w.out.append(a)
             heapq.heappush(events, w.free_at)

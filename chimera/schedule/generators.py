@@ -306,6 +306,11 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "chimera4": chimera4,
 }
 
+#: schedules whose generator always splits the backward (they have no whole-backward form)
+SPLIT_ONLY = ("zb-h1", "zb-h2", "bitpipe", "chimera4")
+#: schedules that cut the model into D x chunks stages (``chunks`` per worker and pipe)
+CHUNKED = ("interleaved", "bitpipe")
+
 
 def build_schedule(
     name: str,
