@@ -97,6 +97,12 @@ def test_cli_best_prints_the_choice_and_why(capsys):
     assert out["choice"] == out["candidates"][0]["schedule"] and "as fast as 1f1b" in out["why"]
     assert main(["schedule", "best", "-D", "4", "-N", "8", "--memory-limit", "2", "--no-halving"]) == 2
     assert "least any needs is 4" in capsys.readouterr().err
+    assert main(["schedule", "best", "-D", "8", "-N", "16", "--fwd", "1", "--bwd", "1", "--wgrad", "1",
+                 "--memory-limit", "15", "--weight-memory", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    four = next(c for c in out["candidates"] if c["schedule"] == "chimera4")
+    assert out["choice"] != "chimera4" and four == {**four, "shares": 4, "fits": False, "over": "needs 16"}
+    assert main(["schedule", "best", "-D", "4", "-N", "8", "--weight-memory", "-1"]) == 2
 
 
 def test_auto_in_the_config_uses_the_models_costs():
