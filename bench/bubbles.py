@@ -9,7 +9,10 @@ delay model sleeps per unit whatever its size, so backward halving's half micro-
 well. Split-backward rows (ZB-H1, ZB-H2, Chimera and 1F1B with --split-backward) predict with I = W = tf, except
 on the first stage, whose inputs need no gradient: there I does nothing and W the whole backward (as in
 torch.distributed.pipelining). BitPipe runs 2D stages of one block each, sleeping tf/2 (the same work per
-worker). Goal: |measured - predicted| <= 0.03.
+worker). Measured two ways: over the whole step (first event to last, the gradient sums and the optimizer step
+included) and over the compute window (first compute action to last), the span the simulator's compute-only
+schedule predicts. Goal: |measured - predicted| <= 0.03 over the compute window; the whole-step figure is shown
+beside it.
 
 Usage: python bench/bubbles.py [--tf 0.05] [--steps 6] [--quick] [--rows chimera-halving] [--rows split]
 """
@@ -60,6 +63,7 @@ def measure(schedule: str, d: int, n: int, mode: str, tf: float, steps: int) -> 
         sched = ray_job.job.schedule
     events = [e for rec in records[1:] for r in rec["_results"] for e in r.events]  # step 0 is warm-up
     stats = step_stats(events)
+    window = step_stats(events, compute_only=True)
     unit = 1 / sched.microbatch_scale  # costs are per micro-batch; every unit sleeps the same
     if split:  # I = W = tf; the first stage's I has no input gradient to make, its W does both halves
         costs = delay_costs(tf * unit, parts)
@@ -68,6 +72,7 @@ def measure(schedule: str, d: int, n: int, mode: str, tf: float, steps: int) -> 
     pred = simulate(sched.compute_only(), costs)
     return {
         "measured_bubble": statistics.median(s.bubble for s in stats),
+        "compute_bubble": statistics.median(s.bubble for s in window),
         "predicted_bubble": float(pred.bubble),
         "measured_step_s": statistics.median(s.makespan for s in stats),
         "predicted_step_s": float(pred.makespan),
@@ -88,15 +93,18 @@ def main() -> None:
     ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         print(f"# bubbles: delay model tf={args.tf}s, bwd=2tf (split: I = W = tf), {steps - 1} measured steps per row")
-        print("| schedule | mode | D | N | measured bubble | predicted bubble | diff | measured step s | predicted step s "
-              "| goal |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| schedule | mode | D | N | measured bubble, whole step | measured bubble, compute window | predicted "
+              "bubble | diff (whole step) | diff (compute window) | measured step s | predicted step s | goal |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for schedule, d, n, mode in rows:
             r = measure(schedule, d, n, mode, args.tf, steps)
             diff = r["measured_bubble"] - r["predicted_bubble"]
-            ok = "ok" if abs(diff) <= 0.03 else "MISSED"
-            print(f"| {schedule} | {mode}{' + recompute' if mode == 'doubling' else ''} | {d} | {n} | {r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | {diff:+.3f} | "
-                  f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | {ok} |", flush=True)
+            like = r["compute_bubble"] - r["predicted_bubble"]  # the window the simulator predicts
+            ok = "ok" if abs(like) <= 0.03 else "MISSED"
+            print(f"| {schedule} | {mode}{' + recompute' if mode == 'doubling' else ''} | {d} | {n} | "
+                  f"{r['measured_bubble']:.3f} | {r['compute_bubble']:.3f} | {r['predicted_bubble']:.3f} | "
+                  f"{diff:+.3f} | {like:+.3f} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | {ok} |",
+                  flush=True)
     finally:
         ray.shutdown()
 

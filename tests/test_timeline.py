@@ -80,6 +80,18 @@ def test_summary_bubble_matches_events(profiled):
     assert summary["predicted_iteration_s"] > 0 and set(summary["busy_s"]) == {"0", "1"}
 
 
+def test_compute_window_leaves_out_the_gradient_sum_and_the_optimizer():
+    from chimera.timeline import Event
+
+    evs = [Event(0, "RECV_F", "down", 0, 0, 0.0, 0.5), Event(0, "F", "down", 0, 0, 0.5, 1.5),
+           Event(1, "F", "down", 1, 0, 1.5, 2.5), Event(1, "B", "down", 1, 0, 2.5, 4.5),
+           Event(0, "B", "down", 0, 0, 4.5, 6.5), Event(0, "ALLREDUCE_WAIT", "down", 0, -1, 6.5, 7.0),
+           Event(1, "OPTIMIZER_STEP", "down", -1, -1, 6.5, 8.5)]
+    whole, window = step_stats(evs)[0], step_stats(evs, compute_only=True)[0]
+    assert whole.makespan == 8.5 and window.makespan == 6.0 and whole.busy == window.busy == {0: 3.0, 1: 3.0}
+    assert window.bubble == 0.5 and whole.bubble == pytest.approx(1 - 6 / 17)
+
+
 def test_single_byte_mode_counts_one_byte_payloads(tmp_path):
     cfg = CFG.with_flags(comm_payload="single-byte", data_parallel=2, steps=2, profile_steps=(1,))
     res = run_local(cfg)

@@ -26,8 +26,13 @@ class StepStats:
         return 1.0 - sum(self.busy.values()) / (len(self.busy) * self.makespan) if self.makespan > 0 else 0.0
 
 
-def step_stats(events: Iterable[Event], workers: Iterable[int] | None = None) -> list[StepStats]:
-    """Group events by iteration and compute :class:`StepStats` for each (workers default: those present)."""
+def step_stats(events: Iterable[Event], workers: Iterable[int] | None = None, compute_only: bool = False
+               ) -> list[StepStats]:
+    """Group events by iteration and compute :class:`StepStats` for each (workers default: those present).
+
+    ``compute_only``: the makespan spans the compute actions only (first start to last end), the window the
+    simulator predicts for a compute-only schedule; the default spans every event, gradient sums and the
+    optimizer step included."""
     by_iter: dict[int, list[Event]] = {}
     for e in events:
         by_iter.setdefault(e.iteration, []).append(e)
@@ -39,7 +44,8 @@ def step_stats(events: Iterable[Event], workers: Iterable[int] | None = None) ->
         for e in evs:
             if e.kind in COMPUTE and e.worker in busy:
                 busy[e.worker] += e.duration
-        makespan = max(e.end for e in evs) - min(e.start for e in evs)
+        span = [e for e in evs if e.kind in COMPUTE] if compute_only else evs
+        makespan = max(e.end for e in span) - min(e.start for e in span) if span else 0.0
         out.append(StepStats(it, makespan, busy))
     return out
 
