@@ -186,17 +186,7 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
         except ScheduleConfigError as e:
             result.infeasible.append(Evaluated(c, reason=str(e)))
             continue
-        ev = _evaluate(profile, c, sched, memory_limit, optimizer, exchange, rounds=0, exact=False)
-        if ev.reason is not None and "memory" in ev.reason and not c.recompute:
-            result.infeasible.append(ev)  # try the same configuration recomputing
-            ev = _evaluate(profile, Candidate(**{**c.flags(), "recompute": True}), sched, memory_limit, optimizer,
-                           exchange, rounds=0, exact=False)
-        for policy in OFFLOAD_POLICIES[1:]:  # then with ever more of its state in host memory
-            if ev.reason is None or "memory" not in ev.reason:
-                break
-            result.infeasible.append(ev)
-            ev = _evaluate(profile, Candidate(**{**ev.candidate.flags(), "offload": policy}), sched, memory_limit,
-                           optimizer, exchange, rounds=0, exact=False)
+        ev = _first_fit(profile, c, sched, memory_limit, optimizer, exchange, result.infeasible)
         if ev.reason is not None:
             result.infeasible.append(ev)
             continue
@@ -212,6 +202,25 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     result.infeasible += [h for h in head if h.reason is not None]
     result.ranked.sort(key=lambda e: e.step_s)  # type: ignore[arg-type,return-value]
     return result
+
+
+def _first_fit(profile: Profile, c: Candidate, sched: Schedule, memory_limit: int | None, optimizer: str,
+               exchange: bool, tried: list[Evaluated]) -> Evaluated:
+    """``c`` estimated as it is; if it does not fit, recomputing, then with ever more of its state in host memory
+    (offload); the configurations that did not fit go to ``tried``. Returns the first that fits, else the last
+    tried (with its reason)."""
+    ev = _evaluate(profile, c, sched, memory_limit, optimizer, exchange, rounds=0, exact=False)
+    if ev.reason is not None and "memory" in ev.reason and not c.recompute:
+        tried.append(ev)
+        ev = _evaluate(profile, Candidate(**{**c.flags(), "recompute": True}), sched, memory_limit, optimizer,
+                       exchange, rounds=0, exact=False)
+    for policy in OFFLOAD_POLICIES[1:]:
+        if ev.reason is None or "memory" not in ev.reason:
+            break
+        tried.append(ev)
+        ev = _evaluate(profile, Candidate(**{**ev.candidate.flags(), "offload": policy}), sched, memory_limit,
+                       optimizer, exchange, rounds=0, exact=False)
+    return ev
 
 
 def _lower_bound(profile: Profile, c: Candidate, cache: dict[tuple[int, bool], tuple[float, float]]) -> float:
