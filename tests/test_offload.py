@@ -134,8 +134,8 @@ def test_planner_offloads_when_memory_demands_it():
     from chimera.profile.synthetic import bert48_paper_like
 
     prof = dc.replace(bert48_paper_like(), host_in=Link(1e-5, 2e10), host_out=Link(1e-5, 2e10))
-    loose = plan(prof, 8, global_batch=64, memory_limit=64 * 2**30, stages=8)
-    tight = plan(prof, 8, global_batch=64, memory_limit=2**30, stages=8)  # state alone needs more
+    loose = plan(prof, 8, global_batch=32, memory_limit=64 * 2**30, stages=8)
+    tight = plan(prof, 8, global_batch=32, memory_limit=2**30, stages=8)  # state alone needs more
     assert all(e.candidate.offload == "none" for e in loose.ranked)
     assert tight.ranked and all(e.candidate.offload != "none" and e.peak_memory <= 2**30 for e in tight.ranked)
     assert tight.ranked[0].step_s > loose.ranked[0].step_s  # the swaps cost copy time
