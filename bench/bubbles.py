@@ -45,13 +45,13 @@ ROWS = [("chimera", 4, 4, "direct"), ("1f1b", 4, 4, "direct"), ("gpipe", 4, 4, "
         ("zb-h1", 4, 8, "direct"), ("zb-h2", 4, 8, "direct"), ("1f1b", 4, 8, "split"), ("chimera", 4, 4, "split"),
         ("chimera", 4, 8, "split"), ("chimera", 8, 16, "split"), ("zb-h1", 8, 16, "direct"), ("bitpipe", 4, 8, "direct"),
         ("chimera4", 4, 4, "direct"), ("chimera4", 4, 8, "direct"), ("chimera4", 8, 16, "direct")]
-SPLIT = SPLIT_ONLY  # schedules that always split the backward
+
 HALF_STAGES = ("bitpipe",)  # 2D stages of half a block's sleep each
 
 
 def measure(schedule: str, d: int, n: int, mode: str, tf: float, steps: int) -> dict[str, float]:
     recompute = mode == "doubling"
-    split = mode == "split" or schedule in SPLIT
+    split = mode == "split" or schedule in SPLIT_ONLY
     parts = 2 * d if schedule in HALF_STAGES else d
     tf = tf * d / parts
     cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": parts, "fwd_s": tf}, schedule=schedule,

@@ -23,21 +23,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from chimera.choose import check_memory, partition_method, resolve_schedule
 from chimera.data import CorpusError, load_info, resolve_corpus
 from chimera.data.pretrain import check_fit
 from chimera.job import Job
 from chimera.models import ChainError, LayerChain, build_model, partition
 from chimera.optim import OPTIMIZERS
 from chimera.optim import SCHEDULES as LR_SCHEDULES
-from chimera.schedule import (
-    CHIMERA_MODES,
-    OFFLOAD_POLICIES,
-    Schedule,
-    ScheduleConfigError,
-    build_schedule,
-    validate,
-)
-from chimera.schedule.io import load_schedule_file
+from chimera.schedule import CHIMERA_MODES, OFFLOAD_POLICIES, validate
 from chimera.validation import ConfigError, type_ok, writable_path
 
 PAYLOADS = ("full", "single-byte")
@@ -187,14 +180,14 @@ class TrainConfig:
             return device_budget(self).check(chain, data)
         if chain is None and self.schedule.name == "auto":
             chain = self.preset_chain()  # auto simulates with the model's costs
-        sched, cfg, choice = _schedule(self, chain)  # cfg: self, or for auto the config of the chosen schedule
+        sched, cfg, choice = resolve_schedule(self, chain)  # cfg: self, or for auto the config of the chosen schedule
         s = cfg.schedule
         if chain is None:
             chain = self.preset_chain()
         elif data is None and chain.data is None:
             raise ConfigError(f"{chain.name} has no dataset of its own: pass data (a function (step, micro-batch, "
                               "data-parallel rank) -> (inputs, labels), or a dataset with such a get())")
-        _check_memory(cfg, chain, sched)
+        check_memory(cfg, chain, sched)
         prediction = None
         if cfg.model.partition == "planned":
             from chimera.plan.auto import planned_partition
@@ -205,7 +198,7 @@ class TrainConfig:
                 raise ConfigError(f"--partition planned: {e}") from None
         else:
             try:
-                stage_layers = partition(chain, sched.stages, _partition_method(cfg.model.partition))
+                stage_layers = partition(chain, sched.stages, partition_method(cfg.model.partition))
             except ConfigError:
                 raise
             except ValueError as e:
@@ -222,40 +215,6 @@ class TrainConfig:
 
         return check_checkpoints(Job(cfg, chain, data, validate(lowered), stage_layers, boundaries, prediction,
                                       choice))
-
-
-def _schedule(cfg: TrainConfig, chain: LayerChain | None) -> tuple[Schedule, TrainConfig, str | None]:
-    """The compute-only schedule of ``cfg`` (built, chosen by ``auto``, or read from ``--schedule-file``); for auto,
-    the config of the chosen schedule and why it was chosen."""
-    s = cfg.schedule
-    try:
-        if s.schedule_file is not None:
-            sched = load_schedule_file(s.schedule_file, s.stages, s.micro_batches)
-            return sched.with_data_parallel(s.data_parallel), cfg, f"schedule file {s.schedule_file}"
-        if s.name != "auto":
-            return build_schedule(s.name, s.stages, s.micro_batches, chunks=s.chunks, mode=s.mode,
-                                  data_parallel=s.data_parallel, split_backward=s.split_backward), cfg, None
-        from chimera.schedule.best import auto_costs, best, explain
-
-        costs, halving = auto_costs(chain, s.stages, s.micro_batch_size)
-        _, ranked = best(s.stages, s.micro_batches, costs, halving=halving, layers=chain.num_layers)
-        ranked = _fit_choice(cfg, chain, ranked)
-        choice = ranked[0]
-    except ScheduleConfigError as e:
-        raise ConfigError(str(e) if "--" in str(e) else f"--schedule {s.name}: {e}") from None
-    o = choice.options
-    chosen = cfg.with_flags(schedule=choice.name, mode=o.get("mode", s.mode), chunks=o.get("chunks", s.chunks),
-                            split_backward=o.get("split_backward", False))
-    return choice.schedule.with_data_parallel(s.data_parallel), chosen, explain(choice, ranked)
-
-
-def _fit_choice(cfg: TrainConfig, chain: LayerChain, ranked: list[Any]) -> list[Any]:
-    """auto's ranking with the candidates the memory model says cannot fit a worker marked (weights included:
-    four-pipe Chimera holds twice Chimera's share of the model); priced on the uniform split for a planned one."""
-    from chimera.plan.fit import fit_choice
-
-    method = "uniform" if cfg.model.partition == "planned" else _partition_method(cfg.model.partition)
-    return fit_choice(cfg, chain, ranked, lambda stages: partition(chain, stages, method))
 
 
 def _need(ok: bool, message: str) -> None:
@@ -344,23 +303,6 @@ def _check_fields(cfg: TrainConfig) -> None:
     _need(not bad, f"--profile-steps {bad} are outside 0..{t.steps - 1}; raise --steps or pick other steps")
 
 
-def _check_memory(cfg: TrainConfig, chain: LayerChain, sched: Any) -> None:
-    """Refuse a configuration the memory model says cannot fit the memory a worker has (the uniform split stands in
-    for a planned one). A ``--memory-per-worker`` budget is checked later, with offload, by :func:`chimera.plan.fit.fit_budget`."""
-    from chimera.plan.fit import check_fits
-
-    if cfg.training.memory_per_worker is not None:
-        return
-
-    method = "uniform" if cfg.model.partition == "planned" else _partition_method(cfg.model.partition)
-    try:
-        check_fits(cfg, chain, sched, partition(chain, sched.stages, method))
-    except ConfigError:
-        raise
-    except ValueError:
-        return  # a bad --partition or a chain that cannot be priced: the checks that follow report it
-
-
 def _preset_chain(m: ModelConfig) -> LayerChain:
     """The preset's chain; with a tokenized corpus its vocabulary is the tokenizer's (so every process builds the
     same model) and the corpus must be able to feed ``seq_len``."""
@@ -387,16 +329,6 @@ def _build(m: ModelConfig, overrides: dict[str, Any]) -> LayerChain:
         return build_model(m.name, seq_len=m.seq_len, corpus=m.corpus, **overrides)
     except ValueError as e:
         raise ConfigError(f"--model: {e}") from None
-
-
-def _partition_method(text: str) -> str | list[int]:
-    if text in ("uniform", "params"):
-        return text
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--partition must be 'uniform', 'params', 'planned' or layer counts like '2,2,1,1', got "
-                          f"{text!r}") from None
 
 
 __all__ = ["CHIMERA_MODES", "ConfigError", "Job", "ModelConfig", "ProfilingConfig", "ScheduleConfig", "TrainConfig",
