@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 
 from bench.predict import delay_costs  # noqa: E402
+from chimera.compile import compile_job
 from chimera.config import TrainConfig  # noqa: E402
 from chimera.schedule import Costs, simulate  # noqa: E402
 from chimera.schedule.generators import SPLIT_ONLY  # noqa: E402
@@ -58,7 +59,7 @@ def measure(schedule: str, d: int, n: int, mode: str, tf: float, steps: int) -> 
                                  stages=d, micro_batches=n, micro_batch_size=2, steps=steps, optimizer="sgd",
                                  profile=True, clip_grad=0.0, timeout_s=60, mode="direct" if split else mode,
                                  recompute=recompute, split_backward=split, partition="uniform")
-    with RayJob(cfg) as ray_job:
+    with RayJob(compile_job(cfg)) as ray_job:
         records = [ray_job.step(s) for s in range(steps)]
         sched = ray_job.job.schedule
     events = [e for rec in records[1:] for r in rec["_results"] for e in r.events]  # step 0 is warm-up

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from bench.workloads import Workload
+from chimera.compile import compile_job
 from chimera.config import TrainConfig
 from ray_launch.config import LaunchConfig
 from ray_launch.driver import RayJob
@@ -35,9 +36,9 @@ class ChimeraRow:
     """A running chimera job for one schedule of a workload; a context manager."""
 
     def __init__(self, w: Workload, schedule: str, steps: int) -> None:
-        self.job = RayJob(chimera_config(w, schedule, steps), LaunchConfig(connect_timeout_s=300.0), log=lambda msg: None)
+        self.job = RayJob(compile_job(chimera_config(w, schedule, steps)), LaunchConfig(connect_timeout_s=300.0), log=lambda msg: None)
         self.worker_times: list[float] = []
-        choice = self.job.job.schedule_choice  # auto: "auto: <flags>: makespan ..."
+        choice = next((d for d in self.job.job.decisions if d.startswith("auto: ")), None)  # "auto: <flags>: ..."
         self.label = choice.split(": ")[1] if choice else schedule
 
     def __enter__(self) -> ChimeraRow:

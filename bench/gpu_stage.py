@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from chimera.compile import compile_job
 from chimera.config import TrainConfig  # noqa: E402
 from chimera.microbatch import map_tensors  # noqa: E402
 from chimera.models import SequentialModel  # noqa: E402
@@ -50,7 +51,7 @@ def main() -> None:
     cfg = cfg.with_flags(schedule="gpipe", stages=1, micro_batches=args.micro_batches, device=args.device,
                       corpus="synthetic",  # the bare loop below reads synthetic data too
                       optimizer="lamb", clip_grad=1.0, steps=args.reps + 2, timeout_s=600)
-    job = cfg.check()
+    job = compile_job(cfg)
     t, n = cfg.training, cfg.schedule.micro_batches
     dev = args.device
     tmp = tempfile.mkdtemp()

@@ -27,11 +27,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from chimera.compile import compile_job  # noqa: E402
+from chimera.compile.model import preset_chain  # noqa: E402
 from chimera.config import TrainConfig  # noqa: E402
+from chimera.offload import Offload, ladder  # noqa: E402
+from chimera.offload.lowering import lower  # noqa: E402
 from chimera.plan import simulator_costs  # noqa: E402
 from chimera.profile.layers import profile_chain  # noqa: E402
 from chimera.runtime import run_local  # noqa: E402
-from chimera.schedule import OFFLOAD_POLICIES, Offload, lower, simulate  # noqa: E402
+from chimera.schedule import simulate  # noqa: E402
 
 BASE = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=32,
             optimizer="adamw", corpus="synthetic", partition="uniform", threads=1)
@@ -39,20 +43,20 @@ BASE = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, mi
 
 def measured_step(cfg: TrainConfig) -> float:
     """Median step time (max over ranks) of one run, without its first step."""
-    metrics = run_local(cfg).metrics
+    metrics = run_local(compile_job(cfg)).metrics
     return statistics.median(m["step_time_s"] for m in metrics[1:])
 
 
 def predicted_step(cfg: TrainConfig, prof: Any, policy: str, prefetch: int) -> float:
-    job = cfg.check()
+    job = compile_job(cfg)
     costs = simulator_costs(prof, job.stage_layers, job.unit_size, False, job.schedule, "adamw")
     compute_only = job.schedule.compute_only()
-    return float(simulate(lower(compute_only, Offload(policy, prefetch)), costs).makespan)
+    return float(simulate(lower(compute_only, Offload.parse(policy, prefetch)), costs).makespan)
 
 
 def run(policies: list[str], steps: int, reps: int, prefetch: int) -> list[dict[str, Any]]:
     base = TrainConfig.from_flags(**BASE, steps=steps)
-    prof = profile_chain(base.preset_chain(), [BASE["micro_batch_size"]], reps=3, warmup=1, threads=1)
+    prof = profile_chain(preset_chain(base), [BASE["micro_batch_size"]], reps=3, warmup=1, threads=1)
     rows = []
     for policy in policies:
         off = base.with_flags(offload=policy, prefetch=prefetch)
@@ -102,7 +106,7 @@ def table(rows: list[dict[str, Any]], command: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policies", default=",".join(OFFLOAD_POLICIES[1:]))
+    p.add_argument("--policies", default=",".join(lv.name for lv in ladder()[1:]))
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--prefetch", type=int, default=1)
@@ -115,7 +119,7 @@ def main() -> None:
     if a.baseline_tree:
         text = f"`{command}`\n\n" + baseline(a.baseline_tree, steps, max(reps, 3))
     else:
-        text = table(run(a.policies.split(","), steps, reps, a.prefetch), command)
+        text = table(run(compile_job(a.policies.split(",")), steps, reps, a.prefetch), command)
     print(text)
     if a.results:
         with open(a.results, "a") as f:

@@ -32,11 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from chimera.compile import compile_job  # noqa: E402
 from chimera.config import TrainConfig  # noqa: E402
+from chimera.job import Prediction  # noqa: E402
 from chimera.models import LayerChain, build_model  # noqa: E402
 from chimera.plan import plan, plan_partition, simulator_costs  # noqa: E402
 from chimera.plan.partition import layers_of  # noqa: E402
 from chimera.plan.planfile import plan_flags  # noqa: E402
+from chimera.plan.profiles import cached_profile, sharing  # noqa: E402
 from chimera.profile.comm import measure_comm_local  # noqa: E402
 from chimera.profile.layers import profile_chain  # noqa: E402
 from chimera.runtime import run_local  # noqa: E402
@@ -45,13 +48,13 @@ from chimera.schedule import build_schedule, lower, simulate  # noqa: E402
 
 def measured_step(cfg: TrainConfig) -> float:
     """Median over steps 2.. of the slowest worker's step time, under run_local."""
-    res = run_local(cfg)
+    res = run_local(compile_job(cfg))
     return statistics.median(m["step_time_s"] for m in res.metrics[2:])
 
 
 def simulated(prof: Any, job: Any) -> Any:
     """The simulator's run of exactly this job (schedule, partition, recomputation, optimizer) under ``prof``."""
-    t = job.cfg.training
+    t = job.run
     return simulate(job.schedule, simulator_costs(prof, job.stage_layers, job.unit_size, t.recompute, job.schedule,
                                                   t.optimizer))
 
@@ -82,7 +85,7 @@ def accuracy(steps: int, reps: int, rounds: int) -> list[str]:
         meas: dict[int, list[float]] = {}
         for r in range(rounds):
             for k, (_, cfg) in enumerate(chosen):
-                job = cfg.check()
+                job = compile_job(cfg)
                 before = predicted_step(chain, job, reps, comm)
                 meas.setdefault(k, []).append(measured_step(cfg))
                 pred.setdefault(k, []).append((before + predicted_step(chain, job, reps, comm)) / 2)
@@ -92,7 +95,7 @@ def accuracy(steps: int, reps: int, rounds: int) -> list[str]:
             ratios = [b / a for a, b in zip(pred[k], meas[k])]
             per = ", ".join(f"{x:.2f}" for x in ratios)
             rows.append(f"| {name} | {c.label} | {c.stages} | {c.data_parallel} | {c.micro_batch_size} | "
-                        f"{c.micro_batches} | {cfg.model.partition} | {p:.4f} | {m:.4f} | "
+                        f"{c.micro_batches} | {cfg.schedule.partition} | {p:.4f} | {m:.4f} | "
                         f"{statistics.median(ratios):.3f} | {per} |")
             print(rows[-1], flush=True)
     return rows
@@ -128,10 +131,10 @@ def heavy(steps: int, reps: int) -> list[str]:
                                   optimizer="sgd", clip_grad=0.0, threads=1)
 
     def run(sizes: list[int]) -> float:
-        job = base.with_flags(partition=",".join(map(str, sizes))).check(chain, data)
+        job = compile_job(base.with_flags(partition=",".join(map(str, sizes))), chain, data)
         return statistics.median(m["step_time_s"] for m in run_local(job).metrics[2:])
 
-    m_uniform, m_planned = run(uniform), run(planned.sizes)
+    m_uniform, m_planned = run(compile_job(uniform)), run(compile_job(planned.sizes))
     pred_margin = 1 - planned.step_s / predicted_uniform
     meas_margin = 1 - m_planned / m_uniform
     ok = "ok" if meas_margin >= pred_margin - 0.10 else "MISSED"
@@ -152,12 +155,12 @@ def breakdown(steps: int, reps: int) -> list[str]:
     best = plan(prof, 2, global_batch=32, optimizer="adamw", top=1).ranked[0]
     cfg = TrainConfig.from_flags(model="bert-tiny", seq_len=64, corpus="synthetic", optimizer="adamw", steps=steps,
                                  threads=1, clip_grad=0.0, profile=True, **plan_flags(best))
-    job = cfg.check()
+    job = compile_job(cfg)
     sim = simulated(prof, job)
     measured: dict[tuple[int, str], float] = defaultdict(float)
     for e in run_local(job).events:
         if e.iteration >= 2:
-            measured[(e.worker % job.schedule.workers, e.kind)] += e.duration / ((steps - 2) * job.cfg.schedule.data_parallel)
+            measured[(e.worker % job.schedule.workers, e.kind)] += e.duration / ((steps - 2) * job.layout.data_parallel)
     predicted: dict[tuple[int, str], float] = defaultdict(float)
     for e in events_from_simulation(sim):
         predicted[(e.worker, e.kind)] += e.duration
@@ -178,28 +181,26 @@ def default_job(steps: int) -> list[str]:
             "simulated utilization |", "|---|---|---|---|---|---|"]
     for partition in ("planned", "uniform"):  # planned first: it takes the profile both predictions use
         cfg = TrainConfig.from_flags(partition=partition, steps=steps, profile=True)
-        job = cfg.check()
+        job = compile_job(cfg)
         with RayJob(job, log=lambda m: None) as rj:
             records = [rj.step(s) for s in range(steps)]
         events = [e for rec in records[1:] for r in rec["_results"] for e in r.events]
         stats = step_stats(events)
         measured = statistics.median(s.makespan for s in stats)
         util = 1 - statistics.median(s.bubble for s in stats)
-        pred: dict[str, Any] = job.prediction or _predicted(job)
+        pred = job.prediction or _predicted(job)
         rows.append(f"| {partition} | {[len(x) for x in job.stage_layers]} | {measured:.4f} | {util:.3f} | "
-                    f"{pred.get('step_s', float('nan')):.4f} | {1 - pred.get('bubble', float('nan')):.3f} |")
+                    f"{pred.step_s:.4f} | {1 - (pred.bubble or float('nan')):.3f} |")
         print(rows[-1], flush=True)
     return rows
 
 
-def _predicted(job: Any) -> dict[str, Any]:
+def _predicted(job: Any) -> Prediction:
     """The simulator's step and bubble for a job's own partition, from the profile the planned run took."""
-    from chimera.plan.auto import cached_profile, sharing
-
     world = job.world_size
-    prof = cached_profile(job.chain, [job.unit_size], "cpu", job.cfg.worker_threads(world), sharing(world, "cpu"))
+    prof = cached_profile(job.chain, [job.unit_size], "cpu", job.run.threads, sharing(world, "cpu"))
     sim = simulated(prof, job)
-    return {"step_s": float(sim.makespan), "bubble": float(sim.bubble)}
+    return Prediction(float(sim.makespan), "simulated", float(sim.bubble))
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 Launched as its users launch it: one ``torch.multiprocessing`` process per rank (forkserver with torch
 preloaded), ``init_process_group("gloo")``, one ``PipelineStage`` per local stage built from chimera's own
 layered model, and torch's schedule classes. Every process applies chimera's CPU allocator setting
-(``chimera.runtime.host_memory.keep_freed_memory``) and its garbage collection (``StepCollector``: the heap
+(``chimera.util.host_memory.keep_freed_memory``) and its garbage collection (``StepCollector``: the heap
 frozen after set-up, Python's collector after every step, inside its timed window), as chimera's workers do.
 One process group hosts every torch schedule of a workload (each with its own stage modules and optimizer)
 and runs steps on command, so repetitions alternate between systems without restarting processes.
@@ -34,7 +34,7 @@ from bench.workloads import Workload, input_keys, unpack_target
 from chimera.models import LayerChain, StageModule, build_stage
 from chimera.models.chain import as_tuple, call
 from chimera.optim import build_optimizer
-from chimera.runtime.host_memory import StepCollector, keep_freed_memory
+from chimera.util.host_memory import StepCollector, keep_freed_memory
 
 
 @dataclass(frozen=True)

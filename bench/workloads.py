@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from chimera.models import LayerChain, build_model, partition
+from chimera.models import LayerChain, build_model
+from chimera.plan.partition import partition
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Workload:
         if self.split == "uniform":
             return self
         from chimera.plan.auto import cached_profile
+
         from chimera.plan.partition import plan_partition
         from chimera.schedule import build_schedule
 

@@ -4,15 +4,16 @@ The public API loads on first use (so that ``chimera schedule ...`` does not imp
 
     import chimera
     model = chimera.LayerChain(layers, loss=..., example=...)
-    records = chimera.train(model, data, schedule="chimera", stages=4, micro_batches=8)
+    run = chimera.train(model, data, schedule="chimera", stages=4, micro_batches=8)   # records as they come
+    run.model                                                                        # the trained model
 """
 
 from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"LayerChain": "chimera.models", "train": "chimera.api", "TrainConfig": "chimera.config",
-         "ConfigError": "chimera.config"}
+_LAZY = {"LayerChain": "chimera.models", "train": "chimera.api", "job": "chimera.api", "Run": "chimera.api",
+         "TrainConfig": "chimera.config", "ConfigError": "chimera.config", "compile_job": "chimera.compile"}
 
 __all__ = [*_LAZY, "__version__"]
 

@@ -1,52 +1,146 @@
-"""The public Python API: train your own layer chain with any schedule the runtime runs.
+"""The public Python API: train a preset or your own layer chain with any schedule the runtime runs.
 
     import chimera
     model = chimera.LayerChain(layers, loss=nn.functional.cross_entropy, example=batch(0, 0, 0))
-    for rec in chimera.train(model, batch, schedule="chimera", stages=4, micro_batches=8, steps=30):
+    run = chimera.train(model, batch, schedule="chimera", stages=4, micro_batches=8, steps=30)
+    for rec in run:                    # each step's record as it is made
         print(rec["step"], rec["loss"])
+    run.model                          # the trained model (all layers in one module), once the run is done
 
-``chimera.train`` runs one process per worker on this machine (no Ray needed); ``ray_launch.train`` takes the
-same arguments and runs the workers as Ray actors, locally or across a cluster. ``data`` is a function
-``(step, micro_batch, data_parallel_rank) -> (inputs, labels)`` or an object with such a ``get`` method; the
-micro-batch size is that of its micro-batches.
+    chimera.train(model="bert-tiny", stages=2, micro_batches=4, steps=3)    # a preset, as ``chimera train``
+
+The keyword arguments are the fields of :class:`chimera.config.TrainConfig` by their flat names, with the same
+defaults as the command line (``config=`` starts from a request read with :func:`chimera.config.load`).
+``chimera.train`` runs one process per worker on this machine (no Ray needed); ``ray_launch.train`` takes the same
+arguments and runs the workers as Ray actors. ``data`` is a function ``(step, micro_batch, data_parallel_rank) ->
+(inputs, labels)`` or an object with such a ``get`` method; the micro-batch size is that of its micro-batches.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Iterator
 from typing import Any
 
+import torch
+
+from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
-from chimera.data import as_dataset
 from chimera.job import Job
-from chimera.microbatch import rows
-from chimera.models import LayerChain
+from chimera.models import LayerChain, SequentialModel
+from chimera.runtime.launch import local_steps
+from chimera.runtime.reference import stage_params_by_layer
 
 
-def chain_job(chain: LayerChain, data: Any, **flags: Any) -> Job:
-    """The checked job that trains ``chain`` on ``data``; ``flags`` are :class:`TrainConfig`'s command-line names
-    (``schedule``, ``stages``, ``micro_batches``, ``data_parallel``, ``mode``, ``steps``, ``optimizer``, ``lr``...).
-    Raises :class:`ConfigError` before anything starts."""
-    if not isinstance(chain, LayerChain):
-        raise ConfigError(f"chimera.train needs a chimera.LayerChain, got {type(chain).__name__}")
-    for name in ("model", "micro_batch_size", "corpus", "seq_len", "model_overrides"):
-        if name in flags:
-            raise ConfigError(f"{name}= is not an option of chimera.train: the chain and the data define it")
+def request(config: TrainConfig | None = None, **fields: Any) -> TrainConfig:
+    """``config`` (default: every field's default) with ``fields`` set by their flat names; ConfigError names an
+    unknown one."""
     try:
-        samples = rows(as_dataset(data).get(0, 0, 0)) if data is not None else None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"data: {e}") from None
-    try:
-        cfg = TrainConfig.from_flags(model=chain.name, **flags)
+        return (config or TrainConfig()).with_flags(**fields)
     except TypeError as e:
         raise ConfigError(str(e)) from None
-    if samples is not None:
-        cfg = cfg.with_flags(micro_batch_size=samples)
-    return cfg.check(chain, data)
 
 
-def train(chain: LayerChain, data: Any = None, **flags: Any) -> list[dict[str, Any]]:
-    """Train ``chain`` on ``data`` with one process per worker on this machine; return one record per step
-    (``step``, ``loss``, ``step_time_s``, ``samples_per_s``, ``grad_norm``...). See :func:`chain_job`."""
-    from chimera.runtime.launch import run_local
+def job(chain: LayerChain | None = None, data: Any = None, *, config: TrainConfig | None = None,
+        **fields: Any) -> Job:
+    """The compiled job that trains ``chain`` on ``data`` (or the preset ``model=``), exactly as ``chimera train``
+    builds it from the same fields. Raises :class:`ConfigError` before anything starts."""
+    if chain is not None:
+        for name in ("model", "micro_batch_size", "corpus", "seq_len", "model_overrides", "chain"):
+            if name in fields:
+                raise ConfigError(f"{name}= is not an option with a chain: the chain and its data define it")
+    return compile_job(request(config, **fields), chain, data)
 
-    return run_local(chain_job(chain, data, **flags)).metrics
+
+def assemble(job: Job, states: dict[int, dict[tuple[str, int], dict[str, torch.Tensor]]]) -> SequentialModel:
+    """One module holding every layer of ``job``'s chain, with the trained parameters of the workers' stages."""
+    model = SequentialModel(job.chain, job.run.seed)
+    trained: dict[tuple[int, str], torch.Tensor] = {}
+    for stages in states.values():
+        for (_, stage), params in stages.items():
+            trained.update(stage_params_by_layer(params, job.stage_layers[stage]))
+    with torch.no_grad():
+        for k, layer in enumerate(model.stage.layers):
+            for name, p in layer.named_parameters(remove_duplicate=False):
+                p.copy_(trained[(model.stage.indices[k], name)])
+    return model
+
+
+class Run:
+    """A training run on local processes, started at once in the background (:func:`train`).
+
+    Iterate it for each step's record as it is made; :attr:`records` and :attr:`model` wait for the end. A worker's
+    failure is raised where the run is read.
+    """
+
+    def __init__(self, job: Job, return_model: bool = True) -> None:
+        self.job = job
+        self.records: list[dict[str, Any]] = []
+        self._model: SequentialModel | None = None
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._read = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(return_model,), daemon=True, name="chimera-run")
+        self._thread.start()
+
+    def _run(self, return_model: bool) -> None:
+        try:
+            for kind, payload in local_steps(self.job, return_state=return_model):
+                self._queue.put((kind, payload))
+        except BaseException as e:  # raised where the run is read
+            self._queue.put(("error", e))
+        self._queue.put(("end", None))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while self._read < len(self.records) or self._thread.is_alive() or not self._queue.empty():
+            if self._read < len(self.records):
+                self._read += 1
+                yield self.records[self._read - 1]
+                continue
+            if not self._take():
+                break
+
+    def _take(self) -> bool:
+        """Handle one message of the background run; False at its end."""
+        kind, payload = self._queue.get()
+        if kind == "step":
+            self.records.append(payload[0])
+        elif kind == "states":
+            self._model = assemble(self.job, payload)
+        elif kind == "error":
+            self._error = payload
+            raise payload
+        elif kind == "end":
+            if self._error is not None:
+                raise self._error
+            self._thread.join()
+            return False
+        return True
+
+    def wait(self) -> Run:
+        """Run to the end (raises a worker's failure); returns self."""
+        for _ in self:
+            pass
+        return self
+
+    @property
+    def model(self) -> SequentialModel:
+        """The trained model (after the last step)."""
+        self.wait()
+        if self._model is None:
+            raise RuntimeError("the run was started without return_model")
+        return self._model
+
+    def __len__(self) -> int:
+        return len(self.wait().records)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.wait().records[i]
+
+
+def train(chain: LayerChain | None = None, data: Any = None, *, config: TrainConfig | None = None,
+          return_model: bool = True, **fields: Any) -> Run:
+    """Train with one process per worker on this machine (module docstring); returns the :class:`Run`, already
+    started. Raises :class:`ConfigError` before any worker starts."""
+    return Run(job(chain, data, config=config, **fields), return_model)

@@ -14,17 +14,22 @@ def keep_local_ray_on_loopback(argv: Sequence[str]) -> None:
 
     Ray's servers otherwise listen on every interface even with ``_node_ip_address="127.0.0.1"``; with
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read when Ray is imported) they use the loopback address, as
-    Ray does on laptops. Token authentication stays on either way.
+    Ray does on laptops. Token authentication stays on either way. The parsers take no abbreviated flags, so
+    ``--address`` is the only spelling that joins a cluster.
     """
     joins = any(a == "--address" or a.startswith("--address=") for a in argv)
     if not joins and "ray" not in sys.modules:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
-def train(chain: Any, data: Any = None, launch: Any = None, **flags: Any) -> list[dict[str, Any]]:
-    """``chimera.train`` on Ray: the same chain, data and flags, one Ray actor per worker (``launch``: a
-    :class:`ray_launch.config.LaunchConfig`; default: a local Ray on loopback)."""
-    from chimera.api import chain_job
-    from ray_launch.driver import run
+def train(chain: Any = None, data: Any = None, launch: Any = None, *, out: str | None = None, progress: bool = False,
+          **fields: Any) -> list[dict[str, Any]]:
+    """``chimera.train`` on Ray: the same chain, data and fields, one Ray actor per worker (``launch``: a
+    :class:`ray_launch.config.LaunchConfig`, default a local Ray on loopback; ``out``: a metrics file, appended to;
+    ``progress``: a progress bar). Returns one record per step."""
+    keep_local_ray_on_loopback(["--address"] if launch is not None and launch.address else [])
+    # imported here, not above: Ray reads the loopback setting when it is first imported
+    from chimera.api import job
+    from ray_launch.recovery import run
 
-    return run(chain_job(chain, data, **flags), launch, progress=False)
+    return run(job(chain, data, **fields), launch, out=out, progress=progress)

@@ -14,6 +14,7 @@ Without ``launch.address`` (and no Ray connected) a local Ray on loopback is sta
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,3 +75,9 @@ def describe(results: Sequence[dict[str, Any]], placement: str) -> str:
     workers = ", ".join(f"worker {i} on {r['address']} [{r['node_id'][:8]}]" for i, r in enumerate(results))
     return (f"ray: {len(nodes)} node{'s' if len(nodes) != 1 else ''}, {len(results)} workers ({placement}): "
             f"{workers}")
+
+
+def probe_from_args(args: Any) -> CommProfile:
+    """``chimera profile --comm ray``: ``--probe-workers`` Ray workers on ``--address`` (or a local Ray)."""
+    return measure_comm_ray(args.probe_workers, args.device, LaunchConfig(address=args.address),
+                            log=lambda msg: print(msg, file=sys.stderr))

@@ -4,8 +4,8 @@ Usage::
 
     python scripts/prof_steps_ray.py --model bert-mini --schedule chimera --stages 4 --micro-batches 4
     # or from Python
-    from ray_launch.driver import run
-    metrics = run(TrainConfig.from_flags(model="bert-tiny", stages=2), out="profiles/run.jsonl")
+    from ray_launch.recovery import run
+    metrics = run(compile_job(TrainConfig.from_flags(model="bert-tiny", stages=2)), out="profiles/run.jsonl")
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from chimera.config import ConfigError, TrainConfig
+from chimera.checkpoint import remove_partial
+from chimera.config import ConfigError
 from chimera.job import Job
 from chimera.runtime import summarize_step
-from chimera.runtime.checkpoint import remove_partial
 from chimera.runtime.comm import StallError
 from chimera.runtime.hang import hang_report
 from chimera.runtime.launch import WorkerError
@@ -69,8 +69,8 @@ def _check_reachable(address: str, timeout_s: float) -> None:
                        "running there and the port open? omit --address to run on a local Ray)") from None
 
 
-def _bundle(cfg: TrainConfig) -> dict[str, float]:
-    return {"CPU": 1.0, "GPU": 1.0} if cfg.training.device == "cuda" else {"CPU": 1.0}
+def _bundle(job: Job) -> dict[str, float]:
+    return {"CPU": 1.0, "GPU": 1.0} if job.run.device == "cuda" else {"CPU": 1.0}
 
 
 def _gather(refs: Sequence[Any], what: str, timeout_s: float) -> list[Any]:
@@ -203,12 +203,12 @@ def reserve(world: int, bundle: dict[str, float], launch: LaunchConfig, workers:
 class RayJob:
     """One training job on Ray; use as a context manager so everything it started is stopped."""
 
-    def __init__(self, job: Job | TrainConfig, launch: LaunchConfig | None = None, log: Any = None) -> None:
-        # every configuration error surfaces here, before Ray or any actor
-        self.job: Job = job if isinstance(job, Job) else job.check()
+    def __init__(self, job: Job, launch: LaunchConfig | None = None, log: Any = None,
+                 out_dir: str | Path | None = None) -> None:
+        # every launch error surfaces here, before Ray or any actor (the compiler refused the job's)
+        self.job = job
         self.launch = (launch or LaunchConfig()).check()
-        self.cfg = cfg = self.job.cfg
-        if cfg.profiling.nsys and shutil.which("nsys") is None:
+        if job.timeline.nsys and shutil.which("nsys") is None:
             raise ConfigError("--nsys needs Nsight Systems' `nsys` on PATH, and it is not there; install Nsight "
                               "Systems (https://developer.nvidia.com/nsight-systems) or drop --nsys")
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -220,12 +220,12 @@ class RayJob:
         self.infos: list[dict[str, Any]] = []
         self.clock_offsets: list[float] = []
         self.clock_uncertainty: list[float] = []
-        self.profile_dir = Path("profiles").resolve()
+        self.profile_dir = Path(out_dir or "profiles").resolve()  # the timeline's files (--profile, --nsys)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> RayJob:
         try:
-            remove_partial(self.cfg.training.checkpoint_dir)  # an interrupted write of an earlier run
+            remove_partial(self.job.checkpoint.dir)  # an interrupted write of an earlier run
             self.started_ray = connect(self.launch, self.job.world_size)
             self._place()
             self._setup()
@@ -241,7 +241,7 @@ class RayJob:
         if self.launch.pre_cmd:
             results = run_pre_commands(self.launch.pre_cmd)
             self.log(f"--pre-cmd ran on {len(results)} node(s)")
-        bundle = _bundle(self.cfg)
+        bundle = _bundle(self.job)
         self.pg, self.node_of_rank = reserve(self.job.world_size, bundle, self.launch, self.job.schedule.workers,
                                              self.log)
         world = self.job.world_size
@@ -251,11 +251,11 @@ class RayJob:
         if env:
             runtime_env["env_vars"] = env
             self.log("worker environment: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
-        if self.cfg.profiling.nsys:
+        if self.job.timeline.nsys:
             self.profile_dir.mkdir(parents=True, exist_ok=True)
             runtime_env["nsight"] = {
                 "t": "cuda,cudnn,cublas,nvtx", "stop-on-exit": "true",
-                "o": str(self.profile_dir / f"{self.cfg.run_name}_worker_%p")}
+                "o": str(self.profile_dir / f"{self.job.name}_worker_%p")}
         if runtime_env:
             options["runtime_env"] = runtime_env
         self.actors = [
@@ -268,7 +268,7 @@ class RayJob:
         ]
 
     def _setup(self) -> None:
-        timeout, world = self.cfg.training.timeout_s, self.job.world_size
+        timeout, world = self.job.run.timeout_s, self.job.world_size
         loopback = self.started_ray or ray.util.get_node_ip_address() in ("127.0.0.1", "localhost")
         # the first call waits for the actor process to start (imports torch): allow for a loaded machine
         host, port = _gather([self.actors[0].rendezvous_address.remote(loopback)], "rendezvous",
@@ -277,7 +277,7 @@ class RayJob:
         job = ray.put(self.job)
         refs = [a.setup.remote(job, r, world, init) for r, a in enumerate(self.actors)]
         self.infos = _gather(refs, "setup", timeout + self.connect_timeout_s)
-        if self.cfg.profiling.profile:
+        if self.job.timeline.profile:
             self._measure_clocks()
 
     def _measure_clocks(self, samples: int = 7) -> None:
@@ -295,7 +295,7 @@ class RayJob:
             best = (float("inf"), 0.0)
             for _ in range(samples):
                 t0 = time.perf_counter()
-                tw = ray.get(actor.clock.remote(), timeout=self.cfg.training.timeout_s)
+                tw = ray.get(actor.clock.remote(), timeout=self.job.run.timeout_s)
                 t1 = time.perf_counter()
                 best = min(best, (t1 - t0, tw - (t0 + t1) / 2))
             self.clock_offsets.append(best[1])
@@ -322,13 +322,12 @@ class RayJob:
 
     def collect(self, step: int, refs: list[Any]) -> dict[str, Any]:
         """Wait for the results of a submitted ``step``; return the metrics record."""
-        cfg = self.cfg
         try:
-            results = _gather(refs, f"step {step}", cfg.training.timeout_s * 5 + 60)
+            results = _gather(refs, f"step {step}", self.job.run.timeout_s * 5 + 60)
         except Stalled as e:
             raise Stalled(f"{e}\n{self.hang_report()}") from None
         try:
-            return summarize_step(cfg, results) | {"_results": results}
+            return summarize_step(self.job, results) | {"_results": results}
         except WorkerError as e:
             raise RunError(str(e)) from None
 
@@ -360,8 +359,8 @@ class RayJob:
         the first failure is raised before any later step is collected, and the queued steps die with the
         actors when the job closes.
 
-            with RayJob(cfg) as job:
-                for rec in job.steps(range(cfg.training.steps)):
+            with RayJob(job) as ray_job:
+                for rec in ray_job.steps(range(job.run.steps)):
                     print(rec["loss"])
         """
         if ahead < 0:
@@ -376,14 +375,5 @@ class RayJob:
 
     def states(self) -> list[dict[tuple[str, int], dict[str, torch.Tensor]]]:
         """Every rank's stage parameters (CPU tensors)."""
-        blobs = _gather([a.state.remote() for a in self.actors], "state", self.cfg.training.timeout_s)
+        blobs = _gather([a.state.remote() for a in self.actors], "state", self.job.run.timeout_s)
         return [torch.load(io.BytesIO(b)) for b in blobs]
-
-
-def run(job: Job | TrainConfig, launch: LaunchConfig | None = None, *, out: str | Path | None = None,
-        progress: bool = True) -> list[dict[str, Any]]:
-    """Train the job's steps on Ray; write JSONL metrics to ``out``; return the records (one per step). A lost
-    worker restarts the run from its last checkpoint, up to ``--max-restarts`` times (``ray_launch.recovery``)."""
-    from ray_launch.recovery import train
-
-    return train(job if isinstance(job, Job) else job.check(), launch, out=out, progress=progress)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ray_launch.cli import main  # noqa: E402
+from ray_launch.command import train_main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(defaults={"address": "auto"}))
+    sys.exit(train_main(defaults={"address": "auto"}))

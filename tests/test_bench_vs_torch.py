@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from chimera.compile import compile_job
+
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"workload", "system", "schedule", "stages", "micro_batches", "median_step_s", "ratio_to_torch_1f1b",
@@ -65,6 +67,6 @@ def test_planned_split_is_the_same_on_both_systems():
         w.layers(model, 2)
     w = replace(w, planned=((2, (3, 1)), (4, (1, 1, 1, 1))))
     assert w.layers(model, 2) == [[0, 1, 2], [3]]
-    job = chimera_config(w, "1f1b", 2).check()
+    job = compile_job(chimera_config(w, "1f1b", 2))
     assert job.stage_layers == w.layers(model, 2)
     assert WORKLOADS["bert-d2-n4"].layers(model, 2) == [[0, 1], [2, 3]]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import chimera
-from chimera.api import chain_job
+from chimera.api import job as chain_job
 from chimera.config import ConfigError
 from chimera.models import ChainError, LayerChain, TensorSpec
 from chimera.runtime import run_local, stage_params_by_layer, train_sequential
@@ -81,7 +81,7 @@ def test_boundaries_of_a_cnn_are_inferred_without_any_layout_assumption():
     {"schedule": "1f1b", "stages": 2, "micro_batches": 2, "data_parallel": 2},
 ])
 def test_user_cnn_trains_like_sequential(flags):
-    _parity(chain_job(cnn(), images, steps=3, optimizer="sgd", lr=0.1, clip_grad=1.0, **flags))
+    _parity(chain_job(cnn(), images, steps=3, optimizer="sgd", lr=0.1, clip_grad=1.0, partition="uniform", **flags))
 
 
 def test_declared_tied_parameters_stay_one_parameter():
@@ -90,7 +90,8 @@ def test_declared_tied_parameters_stay_one_parameter():
     assert torch.equal(first.weight, last.weight)  # the second end starts as a copy of the first
     both = chain.build_layers([0, 3], seed=3)
     assert both[0].weight is both[1].weight
-    job = chain_job(chain, None, schedule="chimera", stages=2, micro_batches=2, steps=3, optimizer="adamw")
+    job = chain_job(chain, None, schedule="chimera", stages=2, micro_batches=2, steps=3, optimizer="adamw",
+                    partition="uniform")
     _parity(job)
 
 

@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
+from chimera.checkpoint import complete, partial_dir
+from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
 from chimera.runtime import run_local
-from chimera.runtime.checkpoint import complete, partial_dir
 from chimera.runtime.launch import WorkerError
 
 BASE = TrainConfig.from_flags(model="bert-tiny", corpus="synthetic", seq_len=16, micro_batch_size=2, stages=2,
@@ -30,7 +31,7 @@ def _by_layer(result, job):
 @pytest.fixture(scope="module")
 def full():
     """The uninterrupted 6-step run: per-step losses and parameters by layer."""
-    job = BASE.check()
+    job = compile_job(BASE)
     res = run_local(job, return_state=True)
     return [m["loss"] for m in res.metrics], _by_layer(res, job)
 
@@ -39,7 +40,7 @@ def full():
 def three(tmp_path_factory):
     """A run of 3 steps that saves a checkpoint after its last step."""
     root = tmp_path_factory.mktemp("ck3")
-    res = run_local(BASE.with_flags(steps=3, checkpoint_dir=str(root)))
+    res = run_local(compile_job(BASE.with_flags(steps=3, checkpoint_dir=str(root))))
     return root, [m["loss"] for m in res.metrics]
 
 
@@ -48,7 +49,7 @@ def test_resume_is_bit_exact(full, three):
     [ck] = complete(root)
     manifest = json.loads((ck / "manifest.json").read_text())
     assert ck.name == "step-00000003" and manifest["step"] == 3 and manifest["lr_schedule"]["last_epoch"] == 3
-    job = BASE.with_flags(resume=str(root)).check()
+    job = compile_job(BASE.with_flags(resume=str(root)))
     assert job.first_step == 3 and job.resume.same_layout
     res = run_local(job, return_state=True)
     assert [m["step"] for m in res.metrics] == [3, 4, 5]
@@ -60,8 +61,8 @@ def test_resume_is_bit_exact(full, three):
 
 def test_resume_with_other_depth_and_schedule_repartitions(full, three):
     root, first = three
-    job = BASE.with_flags(schedule="1f1b", stages=4, resume=str(root)).check()
-    assert not job.resume.same_layout and job.stage_layers != BASE.check().stage_layers
+    job = compile_job(BASE.with_flags(schedule="1f1b", stages=4, resume=str(root)))
+    assert not job.resume.same_layout and job.stage_layers != compile_job(BASE).stage_layers
     res = run_local(job, return_state=True)
     losses = first + [m["loss"] for m in res.metrics]
     assert max(abs(a - b) for a, b in zip(losses, full[0])) <= 1e-5
@@ -75,9 +76,9 @@ def test_resume_with_other_width_continues_with_its_data(three):
     from chimera.runtime.reference import train_sequential
 
     root, first = three
-    job = BASE.with_flags(schedule="1f1b", data_parallel=2, micro_batches=1, resume=str(root)).check()
+    job = compile_job(BASE.with_flags(schedule="1f1b", data_parallel=2, micro_batches=1, resume=str(root)))
     res = run_local(job, return_state=True)
-    ref = train_sequential(BASE.check(), then=(3, job))
+    ref = train_sequential(compile_job(BASE), then=(3, job))
     losses = first + [m["loss"] for m in res.metrics]
     assert max(abs(a - b) for a, b in zip(losses, ref.losses)) <= 1e-5
     params = _by_layer(res, job)
@@ -88,10 +89,10 @@ def test_interrupted_write_keeps_the_last_good_checkpoint(full, tmp_path):
     # rank 0 is SIGKILLed while writing the checkpoint after step 4 (its data written, the manifest not yet)
     cfg = BASE.with_flags(checkpoint_dir=str(tmp_path), checkpoint_every=2, debug_kill_in_save=3)
     with pytest.raises(WorkerError):  # rank 0 exits with -9, or a peer reports the lost connection first
-        run_local(cfg)
+        run_local(compile_job(cfg))
     assert [p.name for p in complete(tmp_path)] == ["step-00000002"]
     assert partial_dir(tmp_path, 4).is_dir() and any(partial_dir(tmp_path, 4).iterdir())
-    job = BASE.with_flags(resume=str(tmp_path), checkpoint_dir=str(tmp_path), checkpoint_every=2).check()
+    job = compile_job(BASE.with_flags(resume=str(tmp_path), checkpoint_dir=str(tmp_path), checkpoint_every=2))
     assert job.first_step == 2
     res = run_local(job, return_state=True)
     assert [m["loss"] for m in res.metrics] == full[0][2:]
@@ -110,15 +111,15 @@ def test_corrupt_or_foreign_checkpoints_are_refused(three, tmp_path):
     shutil.copytree(root, copy)
     [ck] = complete(copy)
     with pytest.raises(ConfigError, match="another run .*fingerprint.*optimizer: checkpoint 'lamb', this run 'adamw'"):
-        BASE.with_flags(resume=str(copy), optimizer="adamw", seq_len=32).check()
+        compile_job(BASE.with_flags(resume=str(copy), optimizer="adamw", seq_len=32))
     with pytest.raises(ConfigError, match="3 steps done and --steps is 3; raise --steps"):
-        BASE.with_flags(resume=str(copy), steps=3).check()
+        compile_job(BASE.with_flags(resume=str(copy), steps=3))
     shard = ck / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(ConfigError, match=r"__1_0.distcp is corrupt \(its SHA-256 differs"):
-        BASE.with_flags(resume=str(copy)).check()
+        compile_job(BASE.with_flags(resume=str(copy)))
     (ck / "manifest.json").unlink()
     with pytest.raises(ConfigError, match="no complete checkpoint"):
-        BASE.with_flags(resume=str(copy)).check()
+        compile_job(BASE.with_flags(resume=str(copy)))

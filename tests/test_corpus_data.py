@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from chimera.cli import main
+from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
 from chimera.data import CorpusBertDataset, TokenizedCorpus, load_info, permute, text_dataset
 from chimera.data.corpus import SAMPLE_CORPUS, tokenized_dir
@@ -153,19 +154,19 @@ def test_same_address_same_samples_and_ranks_disjoint(family) -> None:
 
 def test_default_config_reads_the_sample_and_takes_its_vocabulary() -> None:
     assert TrainConfig().model.corpus == "sample"
-    assert TrainConfig.from_flags(model="bert-mini", stages=2, micro_batches=2).check().chain.vocab_size == 8192
-    assert TrainConfig.from_flags(model="gpt2-small", stages=2, micro_batches=2, seq_len=64).check().chain.vocab_size == 8192
-    assert TrainConfig.from_flags(model="bert-mini", corpus="synthetic", stages=2, micro_batches=2
-                                  ).check().chain.vocab_size == 30522
+    assert compile_job(TrainConfig.from_flags(model="bert-mini", stages=2, micro_batches=2, partition="uniform")).chain.vocab_size == 8192
+    assert compile_job(TrainConfig.from_flags(model="gpt2-small", stages=2, micro_batches=2, seq_len=64, partition="uniform")).chain.vocab_size == 8192
+    assert compile_job(TrainConfig.from_flags(model="bert-mini", corpus="synthetic", stages=2, micro_batches=2, partition="uniform"
+                                  )).chain.vocab_size == 30522
     with pytest.raises(ConfigError, match="contradicts the bert tokenizer"):
-        TrainConfig.from_flags(model="bert-tiny", stages=2, micro_batches=2, model_overrides={"vocab_size": 500}).check()
+        compile_job(TrainConfig.from_flags(model="bert-tiny", stages=2, micro_batches=2, model_overrides={"vocab_size": 500}, partition="uniform"))
 
 
 def test_pipeline_reads_the_corpus_like_the_sequential_reference() -> None:
     from chimera.runtime import run_local, train_sequential
 
     cfg = TrainConfig.from_flags(model="gpt2-tiny", schedule="1f1b", stages=2, micro_batches=2, micro_batch_size=2,
-                      data_parallel=2, seq_len=32, steps=2, optimizer="adamw", timeout_s=60)
-    ref = train_sequential(cfg)
-    for m, r in zip(run_local(cfg).metrics, ref.losses):
+                      data_parallel=2, seq_len=32, steps=2, optimizer="adamw", timeout_s=60, partition="uniform")
+    ref = train_sequential(compile_job(cfg))
+    for m, r in zip(run_local(compile_job(cfg)).metrics, ref.losses):
         assert abs(m["loss"] - r) <= 1e-6

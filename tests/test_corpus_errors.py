@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from chimera.cli import main
+from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
 from chimera.data.corpus import SAMPLE_CORPUS, CorpusError, tokenized_dir
 from chimera.data.tokenizer import build_tokenizers
 from chimera.data.wiki import PrepareError, prepare_wikipedia
 
 GARBAGE = os.urandom(4096) + b"\x00\xff\xfe"
-CFG = TrainConfig.from_flags(model="bert-tiny", stages=2, micro_batches=2, micro_batch_size=2, seq_len=64)
+CFG = TrainConfig.from_flags(model="bert-tiny", stages=2, micro_batches=2, micro_batch_size=2, seq_len=64, partition="uniform")
 
 
 def _write(path: Path, data: str | bytes) -> Path:
@@ -74,18 +75,18 @@ def test_config_refuses_bad_corpus(tmp_path, content, message) -> None:
     if content is not None:
         _write(corpus, content)
     with pytest.raises(ConfigError, match=message):
-        CFG.with_flags(corpus=str(corpus)).check()
+        compile_job(CFG.with_flags(corpus=str(corpus)))
 
 
 def test_long_lines_are_an_error_or_a_counted_skip(tmp_path) -> None:
     corpus = _write(tmp_path / "long.txt", _docs(4, 20, 100))  # every line ~ 100 words: not sentence-split
     build_tokenizers(corpus, ["bert"], vocab_size=300, progress=False)
     with pytest.raises(ConfigError, match=r"80 of 80 sentences .* longer than 61 tokens .* raise --seq-len"):
-        CFG.with_flags(corpus=str(corpus)).check()
+        compile_job(CFG.with_flags(corpus=str(corpus)))
     with pytest.raises(ConfigError, match="longer than 13 tokens"):
-        CFG.with_flags(seq_len=16).check()  # the shipped sample with a tiny sequence
+        compile_job(CFG.with_flags(seq_len=16))  # the shipped sample with a tiny sequence
     with pytest.warns(UserWarning, match=r"\d+ of 5214 sentences .* longer than 61 tokens .* BERT samples skip them"):
-        CFG.check()
+        compile_job(CFG)
 
 
 def test_changed_corpus_and_vocab_conflict(tmp_path) -> None:
@@ -93,20 +94,20 @@ def test_changed_corpus_and_vocab_conflict(tmp_path) -> None:
     shutil.copy(SAMPLE_CORPUS, corpus)
     for family in ("bert", "gpt2"):
         shutil.copytree(tokenized_dir(SAMPLE_CORPUS, family), tokenized_dir(corpus, family))
-    assert CFG.with_flags(corpus=str(corpus), seq_len=128).check().chain.vocab_size == 8192
+    assert compile_job(CFG.with_flags(corpus=str(corpus), seq_len=128)).chain.vocab_size == 8192
     with open(corpus, "a", encoding="utf-8") as f:
         f.write("\nOne more document.\n")
     with pytest.raises(ConfigError, match="changed since it was tokenized"):
-        CFG.with_flags(corpus=str(corpus)).check()
+        compile_job(CFG.with_flags(corpus=str(corpus)))
 
 
 @pytest.mark.ray
 def test_bert_on_sample_corpus_learns_on_ray(ray_session) -> None:
-    from ray_launch.driver import run
+    from ray_launch.recovery import run
 
     cfg = TrainConfig.from_flags(model="bert-tiny", corpus="sample", schedule="chimera", stages=2, micro_batches=2,
-                      micro_batch_size=8, seq_len=64, steps=30, optimizer="adamw", lr=2e-3, timeout_s=60)
-    losses = [r["loss"] for r in run(cfg, progress=False)]
+                      micro_batch_size=8, seq_len=64, steps=30, optimizer="adamw", lr=2e-3, timeout_s=60, partition="uniform")
+    losses = [r["loss"] for r in run(compile_job(cfg), progress=False)]
     assert len(losses) == 30
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, losses

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent('''
 
     sys.meta_path.insert(0, NoRay())
     import chimera
-    names = [m.name for m in pkgutil.walk_packages(chimera.__path__, "chimera.")]
+    names = [m.name for m in pkgutil.walk_packages(chimera.__path__, "chimera.") if not m.name.endswith("__main__")]
     for name in names:
         importlib.import_module(name)
     assert not [m for m in sys.modules if m == "ray" or m.startswith("ray.")]

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import BertForPreTraining, GPT2LMHeadModel
 
-from chimera.models import SequentialModel, StageModule, TensorSpec, build_model, build_stage, partition
+from chimera.models import SequentialModel, StageModule, TensorSpec, build_model, build_stage
+from chimera.plan.partition import partition
 
 B, S, SEED = 2, 16, 7
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from chimera.compile import compile_job
 from chimera.config import TrainConfig
 from chimera.runtime import stage_params_by_layer, train_sequential
 from ray_launch.config import LaunchConfig
@@ -21,7 +22,7 @@ from tests.conftest import node_ids
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
 DELAY = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": 4, "fwd_s": 0.001}, schedule="chimera", stages=4,
-                    micro_batches=4, micro_batch_size=2, data_parallel=2, steps=1, optimizer="sgd", timeout_s=60)
+                    micro_batches=4, micro_batch_size=2, data_parallel=2, steps=1, optimizer="sgd", timeout_s=60, partition="uniform")
 
 
 def test_assign_policies_unit():
@@ -47,7 +48,7 @@ def test_placement_policies_put_workers_on_expected_nodes(ray_cluster, policy, d
 
     ids = node_ids(ray)
     cfg = DELAY.with_flags(stages=2, micro_batches=2, data_parallel=data_parallel)
-    with RayJob(cfg, LaunchConfig(placement=policy), log=lambda m: None) as job:
+    with RayJob(compile_job(cfg), LaunchConfig(placement=policy), log=lambda m: None) as job:
         job.step(0)
         assert _nodes_of(job) == [ids[n] for n in expected]
 
@@ -58,13 +59,13 @@ def test_chimera_halving_across_two_nodes_spread_equals_sequential(ray_cluster):
     ids = node_ids(ray)
     cfg = TrainConfig.from_flags(model="bert-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2,
                       seq_len=16, data_parallel=2, steps=3, optimizer="adamw", timeout_s=60,
-                      check_replicas=True, corpus="synthetic", mode="halving")
-    with RayJob(cfg, LaunchConfig(placement="spread"), log=lambda m: None) as job:
+                      check_replicas=True, corpus="synthetic", mode="halving", partition="uniform")
+    with RayJob(compile_job(cfg), LaunchConfig(placement="spread"), log=lambda m: None) as job:
         records = [job.step(s) for s in range(cfg.training.steps)]
         states = job.states()
         # every pipeline edge crosses nodes, and each stage's four replicas span both
         assert _nodes_of(job) == [ids["node_a"], ids["node_b"]] * 2
-    job = cfg.check()
+    job = compile_job(cfg)
     ref = train_sequential(job)
     assert all(abs(r["loss"] - x) <= 1e-6 for r, x in zip(records, ref.losses))
     for state in states:
@@ -79,7 +80,7 @@ def test_pre_cmd_runs_once_per_node(ray_cluster, tmp_path):
     marker = tmp_path / "markers"
     marker.mkdir()
     cmd = f'touch "{marker}/$CHIMERA_NODE_ID.$$"'
-    with RayJob(DELAY.with_flags(data_parallel=1), LaunchConfig(pre_cmd=(cmd,)), log=lambda m: None) as job:
+    with RayJob(compile_job(DELAY.with_flags(data_parallel=1)), LaunchConfig(pre_cmd=(cmd,)), log=lambda m: None) as job:
         job.step(0)
     files = sorted(p.name.split(".")[0] for p in marker.iterdir())
     assert files == sorted(node_ids(ray).values())  # one marker per node, no node twice

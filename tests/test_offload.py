@@ -6,12 +6,15 @@ import dataclasses
 
 import pytest
 
+from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
+from chimera.offload import Offload
+from chimera.offload.lowering import lower
 from chimera.plan.memory import swap_bytes, worker_memory
 from chimera.profile.shapes import shapes_profile
 from chimera.runtime import run_local
 from chimera.runtime.launch import WorkerError
-from chimera.schedule import Costs, Kind, Offload, build_schedule, lower, simulate, validate
+from chimera.schedule import Costs, Kind, build_schedule, simulate, validate
 
 GPT2 = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
             steps=5, optimizer="adamw", corpus="synthetic", partition="uniform", threads=1)
@@ -27,7 +30,7 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_swaps_are_actions_the_validator_and_simulator_see(name, policy):
     sched = build_schedule(name, 4, 8)
     plain = lower(sched)
-    off = validate(lower(sched, Offload(policy, prefetch=1)))
+    off = validate(lower(sched, Offload.parse(policy, prefetch=1)))
     kinds = {a.kind for row in off.actions for a in row}
     assert (Kind.GRAD_OUT in kinds) and ((Kind.SWAP_OUT in kinds) == (policy == "everything"))
     for row in off.actions:  # weights are on the device whenever a compute action runs
@@ -49,7 +52,7 @@ def test_prefetch_hides_swap_ins_when_copies_run_beside_compute():
     plain = simulate(lower(sched), Costs(fwd=2, bwd=4)).makespan
     span = {}
     for depth in (0, 1):
-        off = lower(sched, Offload("everything", depth))
+        off = lower(sched, Offload.parse("everything", depth))
         blocking = simulate(off, Costs(fwd=2, bwd=4, swap_in=1)).makespan
         span[depth] = simulate(off, Costs(fwd=2, bwd=4, swap_in=1, copy_overlap=True)).makespan
         assert plain < span[depth] <= blocking
@@ -59,7 +62,7 @@ def test_prefetch_hides_swap_ins_when_copies_run_beside_compute():
 def test_prefetch_depth_bounds_resident_stages():
     sched = build_schedule("chimera", 4, 8)
     for depth in (0, 1, 2):
-        row = lower(sched, Offload("everything", depth)).actions[0]
+        row = lower(sched, Offload.parse("everything", depth)).actions[0]
         resident, peak = set(), 0
         for a in row:
             if a.kind is Kind.SWAP_IN:
@@ -75,16 +78,16 @@ def test_gpt2_three_times_the_budget_trains_with_chimera_on_cpu():
     worker raises otherwise), the same parameters as without a budget, and the bytes swapped the plan's."""
     base = TrainConfig.from_flags(**GPT2)
     budget = 14.5 * 2**20
-    job = base.with_flags(memory_per_worker=BUDGET, offload="auto", prefetch=0).check()
-    assert job.cfg.training.offload == "everything"
+    job = compile_job(base.with_flags(memory_per_worker=BUDGET, offload="auto", prefetch=0))
+    assert job.offload.text == "everything"
     prof = shapes_profile(job.chain, job.unit_size)
     state = worker_memory(prof, build_schedule("chimera", 2, 4), job.stage_layers, job.unit_size, "adamw", False)
     assert min(m.params + m.grads + m.optimizer for m in state) >= 3 * budget
     got = run_local(job, return_state=True)
-    ref = run_local(base, return_state=True)
+    ref = run_local(compile_job(base), return_state=True)
     predicted = swap_bytes(prof, job.schedule, job.stage_layers)
     modelled = worker_memory(prof, job.schedule, job.stage_layers, job.unit_size, "adamw", False,
-                             offload=Offload("everything", 0))
+                             offload=Offload.parse("everything", 0))
     for m in got.metrics:
         assert all(0 < w["total"] <= budget for w in m["memory_peak_bytes"]), m["memory_peak_bytes"]
         assert m["swap_bytes"] == predicted
@@ -94,9 +97,9 @@ def test_gpt2_three_times_the_budget_trains_with_chimera_on_cpu():
     assert [m["loss"] for m in got.metrics] == pytest.approx([m["loss"] for m in ref.metrics], abs=1e-5)
 
     with pytest.raises(ConfigError, match=r"budget of 15204352 bytes .* --offload none: 53381120 bytes"):
-        base.with_flags(memory_per_worker=BUDGET).check()
+        compile_job(base.with_flags(memory_per_worker=BUDGET))
     # the runtime's own check: the same job with a budget below what it holds stops after the first step
-    small = dataclasses.replace(job, cfg=job.cfg.with_flags(memory_per_worker="8MiB", steps=1))
+    small = dataclasses.replace(job, memory_budget=8 * 2**20, run=dataclasses.replace(job.run, steps=1))
     with pytest.raises(WorkerError, match=r"held \d+ bytes on the device in step 0, more than --memory-per-worker"):
         run_local(small)
 
@@ -111,19 +114,19 @@ def test_gpt2_three_times_the_budget_trains_with_chimera_on_cpu():
 def test_offload_trains_like_no_offload(flags):
     base = TrainConfig.from_flags(**{**GPT2, "steps": 2, **{k: v for k, v in flags.items() if k not in
                                                              ("offload", "prefetch")}})
-    ref = run_local(base, return_state=True)
-    got = run_local(base.with_flags(offload=flags["offload"], prefetch=flags.get("prefetch", 1)), return_state=True)
+    ref = run_local(compile_job(base), return_state=True)
+    got = run_local(compile_job(base.with_flags(offload=flags["offload"], prefetch=flags.get("prefetch", 1))), return_state=True)
     assert _max_diff(ref.states, got.states) <= 1e-5
 
 
 def test_offload_flags_are_checked():
     base = TrainConfig.from_flags(**GPT2)
     with pytest.raises(ConfigError, match="--offload must be one of"):
-        base.with_flags(offload="disk").check()
+        compile_job(base.with_flags(offload="disk"))
     with pytest.raises(ConfigError, match="--offload auto .* --memory-per-worker"):
-        base.with_flags(offload="auto").check()
+        compile_job(base.with_flags(offload="auto"))
     with pytest.raises(ConfigError, match="--prefetch must be >= 0"):
-        base.with_flags(offload="everything", prefetch=-1).check()
+        compile_job(base.with_flags(offload="everything", prefetch=-1))
 
 
 def test_planner_offloads_when_memory_demands_it():
@@ -136,8 +139,8 @@ def test_planner_offloads_when_memory_demands_it():
     prof = dc.replace(bert48_paper_like(), host_in=Link(1e-5, 2e10), host_out=Link(1e-5, 2e10))
     loose = plan(prof, 8, global_batch=32, memory_limit=64 * 2**30, stages=8)
     tight = plan(prof, 8, global_batch=32, memory_limit=2**30, stages=8)  # state alone needs more
-    assert all(e.candidate.offload == "none" for e in loose.ranked)
-    assert tight.ranked and all(e.candidate.offload != "none" and e.peak_memory <= 2**30 for e in tight.ranked)
+    assert all(not e.candidate.offload.optimizer for e in loose.ranked)
+    assert tight.ranked and all(e.candidate.offload.optimizer and e.peak_memory <= 2**30 for e in tight.ranked)
     assert tight.ranked[0].step_s > loose.ranked[0].step_s  # the swaps cost copy time
 
 
@@ -189,8 +192,8 @@ def test_host_store_swaps_and_saved_weights_follow_the_swapped_in_copy():
     import torch
     from torch import nn
 
+    from chimera.offload.store import HostStore, WeightRef
     from chimera.runtime.compute import _saving
-    from chimera.runtime.offload import HostStore, WeightRef
 
     class ViewMatmul(nn.Module):  # saves w.t(), a view of the weight, for the backward
         def __init__(self) -> None:
@@ -202,7 +205,7 @@ def test_host_store_swaps_and_saved_weights_follow_the_swapped_in_copy():
 
     mod, ref = ViewMatmul(), ViewMatmul()
     x = torch.randn(2, 4, requires_grad=True)
-    store = HostStore({("down", 0): mod}, Offload("everything"), torch.device("cpu"))
+    store = HostStore({("down", 0): mod}, Offload.parse("everything"), torch.device("cpu"))
     assert mod.w.numel() == 0 and store.home(mod.w).shape == (3, 4)  # only the host holds it
     store.swap_in(("down", 0))
     assert isinstance(store.pack(mod.w.t()), WeightRef) and store.pack(x) is x
@@ -227,7 +230,7 @@ def test_split_backward_with_weights_offloaded_matches_the_reference():
     cfg = TrainConfig.from_flags(model="gpt2-tiny", corpus="synthetic", seq_len=16, micro_batch_size=2, stages=2,
                                  micro_batches=4, steps=2, optimizer="adamw", schedule="chimera", split_backward=True,
                                  partition="uniform", offload="everything", timeout_s=60)
-    job = cfg.check()
+    job = compile_job(cfg)
     assert any(a.kind.value == "W" for row in job.schedule.actions for a in row)
     res = run_local(job, return_state=True)
     ref = train_sequential(job)
@@ -237,7 +240,7 @@ def test_split_backward_with_weights_offloaded_matches_the_reference():
             got.update(stage_params_by_layer(params, job.stage_layers[stage]))
     assert max((got[k] - ref.params[k]).abs().max().item() for k in got) <= 1e-5
     with pytest.raises(ConfigError, match="--offload-pack 1 .* split"):
-        cfg.with_flags(offload_pack=1).check()
+        compile_job(cfg.with_flags(offload_pack=1))
 
 
 def test_budget_from_the_device():
@@ -245,7 +248,7 @@ def test_budget_from_the_device():
     check (the workers get bytes)."""
     import psutil
 
-    job = TrainConfig.from_flags(model="gpt2-tiny", corpus="synthetic", seq_len=16, micro_batch_size=2, stages=2,
-                                 micro_batches=2, steps=1, memory_per_worker="device").check()
-    budget = int(job.cfg.training.memory_per_worker)
+    job = compile_job(TrainConfig.from_flags(model="gpt2-tiny", corpus="synthetic", seq_len=16, micro_batch_size=2, stages=2,
+                                 micro_batches=2, steps=1, memory_per_worker="device", partition="uniform"))
+    budget = job.memory_budget
     assert 0.8 < budget / (psutil.virtual_memory().available // 2) < 1.25

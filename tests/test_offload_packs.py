@@ -6,12 +6,15 @@ import dataclasses
 
 import pytest
 
+from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
+from chimera.offload import Offload
+from chimera.offload.lowering import lower
 from chimera.plan.costs import simulator_costs
 from chimera.plan.memory import swap_bytes, worker_memory
 from chimera.profile.shapes import shapes_profile
 from chimera.runtime import run_local
-from chimera.schedule import Kind, Offload, build_schedule, lower, simulate, validate
+from chimera.schedule import Kind, build_schedule, simulate, validate
 
 # GPT-2-tiny with 8 blocks: a stage is the embedding (or head) and 4 blocks, so packs of one layer hold much less
 GPT2 = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
@@ -26,12 +29,12 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def test_packed_stages_swap_inside_their_compute_and_cost_it():
     """No swap action for a stage in packs (its compute moves them); its forward and backward cost the copies."""
+    from chimera.plan.partition import layers_of
     from chimera.profile import Link
     from chimera.profile.synthetic import bert48_paper_like
-    from chimera.splits import layers_of
 
     sched = build_schedule("chimera", 2, 4)
-    off = Offload("everything,optimizer", 1, pack=4)
+    off = Offload.parse("everything,optimizer", 1, pack=4)
     lowered = validate(lower(sched, off))
     kinds = {(a.kind, a.stage) for row in lowered.actions for a in row}
     assert (Kind.GRAD_OUT, 0) in kinds and not {(Kind.SWAP_IN, 0), (Kind.SWAP_OUT, 0)} & kinds
@@ -59,13 +62,13 @@ def test_a_budget_that_fits_only_with_packs():
     every action, with the packs held during it), like training without offload, moving the predicted bytes."""
     base = TrainConfig.from_flags(**GPT2)
     with pytest.raises(ConfigError, match=r"--offload everything: \d+ bytes .* Change: --offload-pack 1"):
-        base.with_flags(memory_per_worker=BUDGET).check()
-    job = base.with_flags(memory_per_worker=BUDGET, offload_pack=1).check()
+        compile_job(base.with_flags(memory_per_worker=BUDGET))
+    job = compile_job(base.with_flags(memory_per_worker=BUDGET, offload_pack=1))
     got = run_local(job, return_state=True)
-    ref = run_local(base.with_flags(offload="none"), return_state=True)
+    ref = run_local(compile_job(base.with_flags(offload="none")), return_state=True)
     assert _max_diff(ref.states, got.states) <= 1e-5
     prof = shapes_profile(job.chain, job.unit_size)
-    off = Offload("everything", 0, pack=1)
+    off = Offload.parse("everything", 0, pack=1)
     predicted = swap_bytes(prof, job.schedule, job.stage_layers, off)
     modelled = worker_memory(prof, job.schedule, job.stage_layers, job.unit_size, "adamw", False, offload=off)
     biggest_stage = max(sum(prof.layers[i].param_bytes for i in layers) for layers in job.stage_layers)
@@ -80,21 +83,21 @@ def test_a_budget_that_fits_only_with_packs():
 def test_pack_flag_is_checked():
     base = TrainConfig.from_flags(**{**GPT2, "offload": "optimizer"})
     with pytest.raises(ConfigError, match="--offload-pack 2 swaps weights in packs: give --offload everything"):
-        base.with_flags(offload_pack=2).check()
+        compile_job(base.with_flags(offload_pack=2))
     with pytest.raises(ConfigError, match="--offload-pack must be >= 0"):
-        base.with_flags(offload="everything", offload_pack=-1).check()
+        compile_job(base.with_flags(offload="everything", offload_pack=-1))
 
 
 def test_packs_with_recompute_and_per_stage_policies():
     """1F1B recomputing: a recomputing backward streams the packs twice (its forward again, then the backward)."""
     base = TrainConfig.from_flags(**{**GPT2, "schedule": "1f1b", "recompute": True, "offload": "none",
                                      "model_overrides": {}})
-    job = base.with_flags(offload="everything,optimizer+gradients", offload_pack=2, prefetch=1).check()
+    job = compile_job(base.with_flags(offload="everything,optimizer+gradients", offload_pack=2, prefetch=1))
     got = run_local(job, return_state=True)
-    assert _max_diff(run_local(base, return_state=True).states, got.states) <= 1e-5
+    assert _max_diff(run_local(compile_job(base), return_state=True).states, got.states) <= 1e-5
     prof = shapes_profile(job.chain, job.unit_size)
-    predicted = swap_bytes(prof, job.schedule, job.stage_layers, Offload("everything,optimizer+gradients", 1, 2),
+    predicted = swap_bytes(prof, job.schedule, job.stage_layers, Offload.parse("everything,optimizer+gradients", 1, 2),
                            recompute=True)
-    once = swap_bytes(prof, job.schedule, job.stage_layers, Offload("everything,optimizer+gradients", 1, 2))
+    once = swap_bytes(prof, job.schedule, job.stage_layers, Offload.parse("everything,optimizer+gradients", 1, 2))
     assert predicted[0] > once[0] and predicted[1] == once[1]  # only the recomputing (first) stage streams twice
     assert all(m["swap_bytes"] == predicted for m in got.metrics)

@@ -6,10 +6,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chimera.plan import Plan, PlanError, parse_bytes, plan, plan_partition, simulator_costs, worker_memory
+from chimera.compile import compile_job
+from chimera.compile.model import preset_chain
+from chimera.plan import PlanError, PlanFile, plan, plan_partition, simulator_costs, worker_memory
 from chimera.plan.partition import layers_of, min_max_split
 from chimera.profile.synthetic import bert48_paper_like, layer, profile
 from chimera.schedule import build_schedule, lower, simulate
+from chimera.util.units import parse_bytes
 
 SIZES = (1, 2, 4)
 
@@ -152,14 +155,14 @@ def test_bert48_paper_like_ranking():
 def test_plan_file_round_trip_and_errors(tmp_path):
     prof = profile([layer(i, 0.01, 1000, 1000, 100, SIZES) for i in range(6)], SIZES)
     result = plan(prof, 4, global_batch=16)
-    chosen = Plan.from_result(result, "synthetic", prof.fingerprint, prof.device)
+    chosen = PlanFile.from_result(result, "synthetic", prof.fingerprint, prof.device)
     path = chosen.save(tmp_path / "p.json")
-    assert Plan.load(path) == chosen and json.loads(path.read_text())["flags"]["stages"] == chosen.flags["stages"]
+    assert PlanFile.load(path) == chosen and json.loads(path.read_text())["flags"]["stages"] == chosen.flags["stages"]
     with pytest.raises(PlanError, match="no plan at"):
-        Plan.load(tmp_path / "missing.json")
+        PlanFile.load(tmp_path / "missing.json")
     nothing = plan(prof, 4, global_batch=16, memory_limit=10)
     with pytest.raises(PlanError, match="no configuration of synthetic fits on 4 workers"):
-        Plan.from_result(nothing, "synthetic", prof.fingerprint, prof.device)
+        PlanFile.from_result(nothing, "synthetic", prof.fingerprint, prof.device)
 
 
 @pytest.mark.parametrize("text,value", [("80GiB", 80 * 2**30), ("512MiB", 512 * 2**20), ("4GB", 4 * 10**9),
@@ -179,12 +182,12 @@ def test_memory_model_matches_what_the_runtime_holds(model):
     from chimera.runtime import run_local
 
     base = TrainConfig.from_flags(model=model, micro_batch_size=2, seq_len=16, steps=2, optimizer="adamw",
-                                  corpus="synthetic", memory=True, partition="uniform")
-    prof = profile_chain(base.preset_chain(), [1, 2], reps=1, warmup=0, threads=1)
+                                  corpus="synthetic", profile_memory=True, partition="uniform")
+    prof = profile_chain(preset_chain(base), [1, 2], reps=1, warmup=0, threads=1)
     for sched, d, n, mode, recompute in [("gpipe", 2, 4, "direct", False), ("chimera", 2, 4, "direct", False),
                                          ("chimera", 4, 8, "doubling", True), ("1f1b", 4, 8, "direct", True),
                                          ("chimera", 2, 4, "halving", False)]:
-        job = base.with_flags(schedule=sched, stages=d, micro_batches=n, mode=mode, recompute=recompute).check()
+        job = compile_job(base.with_flags(schedule=sched, stages=d, micro_batches=n, mode=mode, recompute=recompute))
         measured = run_local(job).metrics[-1]["memory_peak_bytes"]
         modelled = worker_memory(prof, job.schedule, job.stage_layers, job.unit_size, "adamw", recompute)
         for w, (m, mm) in enumerate(zip(measured, modelled)):

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from chimera.compile import compile_job
 from chimera.config import TrainConfig
 from chimera.runtime import PipelineWorker
-from chimera.runtime.host_memory import StepCollector
+from chimera.util.host_memory import StepCollector
 
 
 class _Node:
@@ -58,8 +59,8 @@ def _train(mode: str, rendezvous: Path) -> tuple[list[float], int, int, list[flo
     """Three steps of a one-worker BERT-tiny job in this process: losses, collections inside and outside steps,
     and each step's reported collection seconds."""
     cfg = TrainConfig.from_flags(model="bert-tiny", schedule="1f1b", stages=1, micro_batches=4, steps=3, threads=1,
-                                 python_gc=mode, corpus="synthetic")
-    w = PipelineWorker(cfg.check(), 0, 1, f"file://{rendezvous}")  # as run_local joins
+                                 python_gc=mode, corpus="synthetic", partition="uniform")
+    w = PipelineWorker(compile_job(cfg), 0, 1, f"file://{rendezvous}")  # as run_local joins
     w.setup()
     inside = [0, 0]
 

@@ -8,15 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
 from chimera.runtime import stage_params_by_layer, train_sequential
-from ray_launch.driver import RayJob, RunError, run
+from ray_launch.driver import RayJob, RunError
+from ray_launch.recovery import run
 from tests.conftest import alive_actors
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
 BASE = TrainConfig.from_flags(model="bert-tiny", micro_batch_size=2, seq_len=16, steps=3, optimizer="adamw", timeout_s=60,
-                   check_replicas=True, corpus="synthetic")
+                   check_replicas=True, corpus="synthetic", partition="uniform")
 
 
 def _wait_no_actors(ray, timeout=20.0):
@@ -28,7 +30,7 @@ def _wait_no_actors(ray, timeout=20.0):
 
 def test_chimera_on_ray_equals_sequential(ray_session, tmp_path):
     cfg = BASE.with_flags(schedule="chimera", stages=4, micro_batches=4, model="gpt2-tiny")
-    job = cfg.check()
+    job = compile_job(cfg)
     with RayJob(job) as ray_job:
         records = list(ray_job.steps(range(cfg.training.steps), ahead=2))  # queued on the actors ahead of the driver
         states = ray_job.states()
@@ -47,7 +49,7 @@ def test_chimera_on_ray_equals_sequential(ray_session, tmp_path):
 
 def test_run_writes_jsonl_metrics(ray_session, tmp_path):
     out = tmp_path / "m.jsonl"
-    records = run(BASE.with_flags(schedule="1f1b", stages=2, micro_batches=2, steps=2), out=out, progress=False)
+    records = run(compile_job(BASE.with_flags(schedule="1f1b", stages=2, micro_batches=2, steps=2)), out=out, progress=False)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert lines == records and [r["step"] for r in lines] == [0, 1]
     assert {"step", "loss", "step_time_s", "samples_per_s"} <= set(lines[0])
@@ -59,7 +61,7 @@ def test_stalled_worker_is_named_and_actors_are_gone(ray_session):
     cfg = BASE.with_flags(schedule="chimera", stages=2, micro_batches=2, steps=3, timeout_s=3, debug_stall=(1, 30.0))
     t0 = time.monotonic()
     with pytest.raises(RunError) as e:
-        run(cfg, progress=False)
+        run(compile_job(cfg), progress=False)
     msg = str(e.value)
     assert "worker 0" in msg and "stalled" in msg and "micro-batch" in msg and "RECV" in msg
     assert time.monotonic() - t0 < 60
@@ -68,7 +70,7 @@ def test_stalled_worker_is_named_and_actors_are_gone(ray_session):
     assert lines[1].split() == ["step", "w0", "w1"] and len(lines) > 5
     [marked] = [x for x in lines[1:] if ">" in x]
     assert ">u1RECV_F0<" in marked
-    assert "worker 0: step 0, action 2 u1RECV_F0 (RECV_ACT, micro-batch 0) waits for worker 1" in msg
+    assert "worker 0: step 0, action 2 u1RECV_F0 (RECV_F, micro-batch 0) waits for worker 1" in msg
     assert "worker 1: step 0, not inside the action list" in msg  # asleep before its first action
     assert _wait_no_actors(ray_session) == []
 
@@ -76,13 +78,13 @@ def test_stalled_worker_is_named_and_actors_are_gone(ray_session):
 def test_invalid_config_refused_before_any_actor(ray_session):
     before = len(alive_actors(ray_session))
     with pytest.raises(ConfigError, match="even number"):
-        run(BASE.with_flags(schedule="chimera", stages=3, micro_batches=3), progress=False)
+        run(compile_job(BASE.with_flags(schedule="chimera", stages=3, micro_batches=3)), progress=False)
     assert len(alive_actors(ray_session)) == before
 
 
 def test_too_few_resources_is_a_clear_error(ray_session):
     with pytest.raises(RunError, match="cluster has .* CPU but 16 workers need"):
-        run(BASE.with_flags(schedule="1f1b", stages=4, micro_batches=4, data_parallel=4, model="gpt2-tiny"),
+        run(compile_job(BASE.with_flags(schedule="1f1b", stages=4, micro_batches=4, data_parallel=4, model="gpt2-tiny")),
             progress=False)
     assert _wait_no_actors(ray_session) == []
 

@@ -10,10 +10,13 @@ import time
 import pytest
 import torch
 
+from chimera.checkpoint import complete
+from chimera.compile import compile_job
 from chimera.config import TrainConfig
 from chimera.runtime import run_local
-from chimera.runtime.checkpoint import complete, load
-from ray_launch.driver import run
+from chimera.runtime.checkpoint import load
+from ray_launch.config import LaunchConfig
+from ray_launch.recovery import run
 from tests.conftest import alive_actors
 
 pytestmark = pytest.mark.ray
@@ -42,7 +45,8 @@ def test_killed_worker_restarts_from_checkpoint_bitwise(ray_session, tmp_path):
             time.sleep(0.05)
 
     threading.Thread(target=kill_after_first_checkpoint, daemon=True).start()
-    records = run(CFG.with_flags(checkpoint_dir=str(ck), max_restarts=1), out=out, progress=False)
+    records = run(compile_job(CFG.with_flags(checkpoint_dir=str(ck))), LaunchConfig(max_restarts=1), out=out,
+                  progress=False)
     assert killed and [r["step"] for r in records] == list(range(6))
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     [restart] = [x for x in lines if x.get("event") == "restart"]
@@ -50,7 +54,7 @@ def test_killed_worker_restarts_from_checkpoint_bitwise(ray_session, tmp_path):
     assert restart["steps_rerun"] == restart["failed_at_step"] - restart["resumed_from_step"]
     assert sum(1 for x in lines if x.get("rerun")) == restart["steps_rerun"]
     # the uninterrupted run (local processes: the same numerics) ends in the same parameters and optimizer state
-    run_local(CFG.with_flags(checkpoint_dir=str(tmp_path / "ref")))
+    run_local(compile_job(CFG.with_flags(checkpoint_dir=str(tmp_path / "ref"))))
     got, want = load(ck), load(tmp_path / "ref")
     keys = [k for k in want if not k.startswith("rng.")]
     assert complete(ck)[-1].name == "step-00000006" and sorted(keys) == sorted(k for k in got if "rng." not in k)

@@ -6,17 +6,18 @@ import time
 import pytest
 import torch
 
+from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
 from chimera.runtime import WorkerError, run_local, stage_params_by_layer, train_sequential
 
 BASE = TrainConfig.from_flags(model="bert-tiny", micro_batch_size=2, seq_len=16, steps=5, optimizer="adamw", lr=1e-3,
-                              timeout_s=60, check_replicas=True, corpus="synthetic")
+                              timeout_s=60, check_replicas=True, corpus="synthetic", partition="uniform")
 
 
 def assert_parity(cfg: TrainConfig) -> list[float]:
     """Per-step loss within 1e-6 and every parameter within 1e-5 of sequential training, the global gradient
     norm (when clipping computes it) within 1e-5 relative, every replica of a stage bitwise equal."""
-    job = cfg.check()
+    job = compile_job(cfg)
     res = run_local(job, return_state=True)
     ref = train_sequential(job)
     assert len(res.metrics) == cfg.training.steps
@@ -89,9 +90,9 @@ def test_chimera_modes_are_the_same_training_as_1f1b():
     """Direct concatenation, forward doubling and backward halving reorder the same work: with one seed, every
     step's loss equals 1F1B's (halving trains on the two halves of each micro-batch)."""
     cfg = BASE.with_flags(stages=2, micro_batches=4, steps=3, **SGD)
-    one_f_one_b = [m["loss"] for m in run_local(cfg.with_flags(schedule="1f1b")).metrics]
+    one_f_one_b = [m["loss"] for m in run_local(compile_job(cfg.with_flags(schedule="1f1b"))).metrics]
     for mode in ("direct", "doubling", "halving"):
-        losses = [m["loss"] for m in run_local(cfg.with_flags(schedule="chimera", mode=mode)).metrics]
+        losses = [m["loss"] for m in run_local(compile_job(cfg.with_flags(schedule="chimera", mode=mode))).metrics]
         assert max(abs(a - b) for a, b in zip(losses, one_f_one_b)) <= 1e-6, mode
 
 
@@ -102,15 +103,15 @@ def test_recompute_replays_dropout_masks():
                           clip_grad=0.0, model_overrides={"hidden_dropout_prob": 0.2,
                                                           "attention_probs_dropout_prob": 0.2})
     for mode in ("direct", "doubling"):  # doubling runs two micro-batches per forward slot, each with its own masks
-        plain = run_local(cfg.with_flags(mode=mode), return_state=True)
-        again = run_local(cfg.with_flags(mode=mode, recompute=True), return_state=True)
+        plain = run_local(compile_job(cfg.with_flags(mode=mode)), return_state=True)
+        again = run_local(compile_job(cfg.with_flags(mode=mode, recompute=True)), return_state=True)
         assert [m["loss"] for m in plain.metrics] == [m["loss"] for m in again.metrics], mode
         for rank, state in plain.states.items():
             for key, params in state.items():
                 for name, p in params.items():
                     assert torch.equal(p, again.states[rank][key][name]), (mode, rank, key, name)
     # the masks are really random: a different seed trains differently
-    other = run_local(cfg.with_flags(mode="doubling", seed=cfg.training.seed + 1))
+    other = run_local(compile_job(cfg.with_flags(mode="doubling", seed=cfg.training.seed + 1)))
     assert [m["loss"] for m in other.metrics] != [m["loss"] for m in plain.metrics]
 
 
@@ -118,9 +119,9 @@ def test_stalled_peer_names_worker_and_action():
     cfg = BASE.with_flags(schedule="1f1b", stages=2, micro_batches=2, steps=1, timeout_s=3, debug_stall=(0, 20.0))
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as e:
-        run_local(cfg)
+        run_local(compile_job(cfg))
     msg = str(e.value)
-    assert "worker 1" in msg and "RECV_ACT" in msg and "micro-batch 0" in msg and "stalled" in msg
+    assert "worker 1" in msg and "RECV_F" in msg and "micro-batch 0" in msg and "stalled" in msg
     assert time.monotonic() - t0 < 30
 
 
@@ -129,8 +130,8 @@ def test_stalled_peer_names_worker_and_action():
     ({"stages": 3, "micro_batches": 3}, "even number of --stages"),
     ({"stages": 2, "micro_batches": 3}, "multiple of --stages"),
     ({"micro_batch_size": 0}, "--micro-batch-size must be >= 1"),
-    ({"model": "bert-huge"}, "unknown model 'bert-huge'"),
-    ({"schedule": "zb-v"}, "unknown schedule 'zb-v'"),
+    ({"model": "bert-huge"}, "--model must be one of bert-48, .* got 'bert-huge'"),
+    ({"schedule": "zb-v"}, "--schedule must be one of gpipe, 1f1b, .* got 'zb-v'"),
     ({"mode": "doubling", "micro_batches": 2}, "multiple of 2\\*D=4"),
     ({"mode": "halving", "micro_batches": 4, "micro_batch_size": 3}, "must be even"),
     ({"mode": "tripling"}, "--mode must be one of direct, doubling, halving"),
@@ -141,4 +142,4 @@ def test_stalled_peer_names_worker_and_action():
 ])
 def test_invalid_configurations_are_refused(kw, msg):
     with pytest.raises(ConfigError, match=msg):
-        BASE.with_flags(**{"stages": 2, "micro_batches": 2, **kw}).check()
+        compile_job(BASE.with_flags(**{"stages": 2, "micro_batches": 2, **kw}))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chimera.cli import main
+from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
 from chimera.models import build_model
 from chimera.schedule import Costs, ScheduleConfigError, build_schedule, simulate, to_csv, to_json
@@ -63,30 +64,31 @@ def test_weight_memory_counts_the_shares_a_schedule_holds():
 def test_auto_in_the_config_weighs_each_candidates_memory():
     """With --memory-per-worker, training's auto picks the fastest schedule the memory model says fits (weights
     included), and says which faster ones it left out and what they need."""
+    from chimera.compile.model import preset_chain
+    from chimera.compile.schedule import auto_costs
     from chimera.plan.fit import estimate_peaks
-    from chimera.schedule.best import auto_costs
 
     cfg = TrainConfig.from_flags(model="gpt2-tiny", corpus="synthetic", seq_len=16, schedule="auto", stages=4,
                                  micro_batches=8, partition="uniform")
-    chain = cfg.preset_chain()
+    chain = preset_chain(cfg)
     ranked = rank(4, 8, auto_costs(chain, 4, 4)[0], layers=chain.num_layers)
     need = {c.label: max(m.total for m in estimate_peaks(chain, c.schedule, chain_split(chain, c.schedule.stages),
                                                          int(4 * c.schedule.microbatch_scale), "lamb", False))
             for c in ranked}
-    assert cfg.check().cfg.schedule.name == "chimera4"
+    assert compile_job(cfg).layout.schedule == "chimera4"
     runner_up = min(n for label, n in need.items() if label != "chimera4")
     budget = (runner_up + need["chimera4"]) // 2
-    tight = cfg.with_flags(memory_per_worker=str(budget)).check()
-    assert tight.cfg.schedule.name != "chimera4" and "over the memory limit: chimera4 (needs" in tight.schedule_choice
-    label = tight.schedule_choice.split(": ")[1]
+    tight = compile_job(cfg.with_flags(memory_per_worker=str(budget)))
+    assert tight.layout.schedule != "chimera4" and "over the memory limit: chimera4 (needs" in tight.decisions[0]
+    label = tight.decisions[0].split(": ")[1]
     chosen = next(c for c in ranked if c.label == label)
     assert need[label] <= budget and all(need[c.label] > budget for c in ranked if c.makespan < chosen.makespan)
-    packed = cfg.with_flags(memory_per_worker="1GiB", offload="everything", offload_pack=1).check()
-    assert not packed.cfg.schedule.split_backward  # streaming weights through one backward: whole backward only
+    packed = compile_job(cfg.with_flags(memory_per_worker="1GiB", offload="everything", offload_pack=1))
+    assert not packed.layout.split_backward  # streaming weights through one backward: whole backward only
 
 
 def chain_split(chain, stages):
-    from chimera.models import partition
+    from chimera.plan.partition import partition
 
     return partition(chain, stages, "uniform")
 
@@ -108,16 +110,16 @@ def test_cli_best_prints_the_choice_and_why(capsys):
 def test_auto_in_the_config_uses_the_models_costs():
     delay = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": 4, "fwd_s": 0.01}, schedule="auto",
                                    stages=4, micro_batches=8, partition="uniform")
-    job = delay.check()
-    assert job.cfg.schedule.name == "chimera4" and job.cfg.schedule.split_backward
-    assert job.schedule_choice.startswith("auto: chimera4")
-    two = delay.with_flags(stages=6, micro_batches=6, model_overrides={"num_blocks": 6, "fwd_s": 0.01}).check()
+    job = compile_job(delay)
+    assert job.layout.schedule == "chimera4" and job.layout.split_backward
+    assert job.decisions[0].startswith("auto: chimera4")
+    two = compile_job(delay.with_flags(stages=6, micro_batches=6, model_overrides={"num_blocks": 6, "fwd_s": 0.01}))
     # D not a multiple of 4: two pipelines; no halving: sleeps don't shrink
-    assert two.cfg.schedule.name == "chimera" and two.cfg.schedule.split_backward
-    assert two.cfg.schedule.mode == "direct" and two.schedule_choice.startswith("auto: chimera --mode direct")
+    assert two.layout.schedule == "chimera" and two.layout.split_backward
+    assert two.layout.mode == "direct" and two.decisions[0].startswith("auto: chimera --mode direct")
     slow_w = delay.with_flags(stages=6, micro_batches=6,
                               model_overrides={"num_blocks": 6, "fwd_s": 0.01, "bwd_s": 0.02, "wgrad_s": 0.0})
-    assert not slow_w.check().cfg.schedule.split_backward
+    assert not compile_job(slow_w).layout.split_backward
 
 
 def test_schedule_file_trains_json_or_csv_and_refuses_a_bad_one(tmp_path):
@@ -125,22 +127,22 @@ def test_schedule_file_trains_json_or_csv_and_refuses_a_bad_one(tmp_path):
                                   seq_len=16)
     good = tmp_path / "zb.json"
     good.write_text(to_json(build_schedule("zb-h1", 2, 4)))
-    job = base.with_flags(schedule_file=str(good)).check()
-    assert job.schedule.name == "zb-h1" and job.schedule_choice == f"schedule file {good}"
+    job = compile_job(base.with_flags(schedule_file=str(good)))
+    assert job.schedule.name == "zb-h1" and job.decisions[0] == f"schedule file {good}"
     csv = tmp_path / "1f1b.csv"
     csv.write_text(to_csv(build_schedule("1f1b", 2, 4)))
-    assert base.with_flags(schedule_file=str(csv), data_parallel=2).check().schedule.data_parallel == 2
+    assert compile_job(base.with_flags(schedule_file=str(csv), data_parallel=2)).schedule.data_parallel == 2
     bad = tmp_path / "bad.csv"
     bad.write_text("0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1B1,1F1,1B0,1F2,1B2,1F3,1B3\n")
     with pytest.raises(ConfigError, match=r"(?s)1B1 comes before its forward on worker 1\nstep w0 .*>1B1<"):
-        base.with_flags(schedule_file=str(bad)).check()
+        compile_job(base.with_flags(schedule_file=str(bad)))
     with pytest.raises(ConfigError, match="pass --stages 2 --micro-batches 4"):
-        base.with_flags(schedule_file=str(csv), micro_batches=8).check()
+        compile_job(base.with_flags(schedule_file=str(csv), micro_batches=8))
     lowered = tmp_path / "lowered.json"
     lowered.write_text(to_json(build_schedule("1f1b", 2, 4).compute_only().__class__.from_text(
         "0: 0F0 0SEND_F0 0RECV_B0 0B0\n1: 1RECV_F0 1F0 1B0 1SEND_B0")))
     with pytest.raises(ConfigError, match="compute actions only"):
-        base.with_flags(schedule_file=str(lowered), micro_batches=1).check()
+        compile_job(base.with_flags(schedule_file=str(lowered), micro_batches=1))
 
 
 def test_delay_model_sleeps_tb_in_i_and_tw_in_w():

@@ -101,8 +101,8 @@ def test_data_parallel_replicates_placement():
     assert s.stage_group(0) == [0, 3, 4, 7]
     assert build_schedule("1f1b", 4, 4, data_parallel=3).stage_group(1) == [1, 5, 9]
     lowered = lower(build_schedule("1f1b", 4, 4, data_parallel=2))
-    assert any(a.kind.name == "ALLREDUCE_START" for a in lowered.actions[0])
-    assert not any(a.kind.name == "ALLREDUCE_START" for a in lower(build_schedule("1f1b", 4, 4)).actions[0])
+    assert any(a.kind is Kind.ALLREDUCE_START for a in lowered.actions[0])
+    assert not any(a.kind is Kind.ALLREDUCE_START for a in lower(build_schedule("1f1b", 4, 4)).actions[0])
 
 
 # --- cross-check against torch.distributed.pipelining (its schedules build their order without GPUs) ---

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from chimera.schedule import Costs, ScheduleError, build_schedule, lower, simulate
 from chimera.schedule.ir import DOWN, UP, Action, B, F, Kind, from_rows
 from chimera.schedule.kinds import SPECS, Msg, Res, Role, message
-from chimera.schedule.replay import Plan
+from chimera.schedule.replay import Replay
 from chimera.schedule.simulate import Simulator
 
 simulate_module = importlib.import_module("chimera.schedule.simulate")  # the package exports simulate()
@@ -122,7 +122,7 @@ def test_prepared_simulation_equals_plain_replay(case):
         with pytest.raises(ScheduleError, match="deadlock") as e:
             simulate(s, costs)
         assert all(f">{s.actions[w][i].text(s.bidirectional)}<" in str(e.value) for w, i in stuck.items())
-        assert {w: i for w, (i, _) in Plan(s).stuck.items()} == stuck
+        assert {w: i for w, (i, _) in Replay(s).stuck.items()} == stuck
         return
     r = simulate(s, costs)
     assert r.starts == starts and r.ends == ends
@@ -166,7 +166,7 @@ def test_per_stage_message_bytes():
 
 def test_one_preparation_per_schedule(monkeypatch):
     plans = []
-    monkeypatch.setattr(simulate_module, "Plan", lambda s: plans.append(s.name) or Plan(s))
+    monkeypatch.setattr(simulate_module, "Replay", lambda s: plans.append(s.name) or Replay(s))
     s = build_schedule("chimera", 4, 8)
     runs = [simulate(s, Costs(fwd=f, bwd=2 * f)) for f in (1, 2, 0.5)]
     assert len(plans) == 1 and [r.makespan for r in runs] == [runs[0].makespan * f for f in (1, 2, 0.5)]
@@ -193,7 +193,7 @@ def test_a_role_without_replay_rule_is_refused(monkeypatch):
     spec = SPECS[Kind.OPTIMIZER_STEP]
     monkeypatch.setitem(SPECS, Kind.OPTIMIZER_STEP, dataclasses.replace(spec, role="teleport"))
     with pytest.raises(ValueError, match="no rule for the role"):
-        Plan(build_schedule("1f1b", 2, 2))
+        Replay(build_schedule("1f1b", 2, 2))
 
 
 def test_communication_busy_time_occupies_the_worker():

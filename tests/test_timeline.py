@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from chimera.cli import main as cli_main
+from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
 from chimera.runtime import run_local
 from chimera.timeline.analysis import step_stats
@@ -18,16 +19,16 @@ from chimera.timeline.report import load_events, render, timeline_figure, write_
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = TrainConfig.from_flags(model="bert-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
-                  steps=3, optimizer="adamw", timeout_s=60, profile=True, profile_steps=(1, 2), corpus="synthetic")
+                  steps=3, optimizer="adamw", timeout_s=60, profile=True, profile_steps=(1, 2), corpus="synthetic", partition="uniform")
 
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
-    plan = CFG.check()
+    plan = compile_job(CFG)
     res = run_local(plan)
     out = tmp_path_factory.mktemp("profiles")
     meta = {"comm_payload": "full", "training_result": True}
-    paths = write_profile(CFG.run_name, res.events, plan.schedule, plan.world_size, meta, out)
+    paths = write_profile(plan.name, res.events, plan.schedule, plan.world_size, meta, out)
     return res, plan, paths
 
 
@@ -94,14 +95,14 @@ def test_compute_window_leaves_out_the_gradient_sum_and_the_optimizer():
 
 def test_single_byte_mode_counts_one_byte_payloads(tmp_path):
     cfg = CFG.with_flags(comm_payload="single-byte", data_parallel=2, steps=2, profile_steps=(1,))
-    res = run_local(cfg)
+    res = run_local(compile_job(cfg))
     for m in res.metrics:
         assert m["payload_sizes"] and set(m["payload_sizes"]) == {"1"}
         assert m["training_result"] is False and m["comm_bytes"] == m["comm_messages"]
-    full = run_local(cfg.with_flags(comm_payload="full", profile=False))
+    full = run_local(compile_job(cfg.with_flags(comm_payload="full", profile=False)))
     assert all(int(k) > 1 for k in full.metrics[0]["payload_sizes"])
-    plan = cfg.check()
-    paths = write_profile(cfg.run_name, res.events, plan.schedule, plan.world_size,
+    plan = compile_job(cfg)
+    paths = write_profile(plan.name, res.events, plan.schedule, plan.world_size,
                           {"comm_payload": "single-byte", "training_result": False}, tmp_path)
     summary = json.loads(paths["summary"].read_text())
     assert summary["training_result"] is False
@@ -163,9 +164,9 @@ def test_plot_from_nsight_sqlite(profiled, tmp_path, capsys):
 
 
 def test_plot_script_rebuilds_from_saved_events(profiled):
-    _, _, paths = profiled
+    _, plan, paths = profiled
     paths["png"].unlink()
-    p = subprocess.run(["bash", "scripts/plot_cuda_timeline.sh", CFG.run_name, "--dir", str(paths["png"].parent)],
+    p = subprocess.run(["bash", "scripts/plot_cuda_timeline.sh", plan.name, "--dir", str(paths["png"].parent)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert paths["png"].exists()
@@ -197,7 +198,7 @@ def test_nsys_starts_actors_under_nsight_or_fails_fast(tmp_path, monkeypatch):
     calls = log.read_text().splitlines()
     workers = [c for c in calls if "default_worker.py" in c]
     assert len(workers) >= 2 and all(c.startswith("profile") and "-t cuda,cudnn,cublas,nvtx" in c for c in workers)
-    assert all(str(ROOT / "profiles") in c for c in workers)
+    assert all(str(tmp_path) in c for c in workers)  # the run's directory: next to its metrics
     # without nsys on PATH: refused by the job's constructor, before Ray starts (the CLI maps ConfigError to exit 2)
     from ray_launch.driver import RayJob
 
@@ -206,4 +207,4 @@ def test_nsys_starts_actors_under_nsight_or_fails_fast(tmp_path, monkeypatch):
     cfg = TrainConfig.from_flags(model="bert-tiny", stages=2, micro_batches=2, seq_len=16, corpus="synthetic",
                                  partition="uniform", nsys=True)
     with pytest.raises(ConfigError, match="--nsys needs Nsight Systems' `nsys` on PATH"):
-        RayJob(cfg)
+        RayJob(compile_job(cfg))

@@ -1,9 +1,9 @@
-"""Models as layer chains (the contract), transformer and delay presets, partitioning and pipeline stages."""
+"""Models as layer chains (the contract), transformer and delay presets, and pipeline stages (partitioning:
+:mod:`chimera.plan.partition`)."""
 
 from typing import Any
 
 from chimera.models.chain import ChainError, LayerChain, TensorSpec, layer_seed
-from chimera.models.partition import partition
 from chimera.models.presets import PRESETS, build_model
 from chimera.models.stage import SequentialModel, StageModule, build_stage
 
@@ -19,7 +19,6 @@ __all__ = [
     "build_model",
     "build_stage",
     "layer_seed",
-    "partition",
 ]
 
 

@@ -29,6 +29,8 @@ parameters that are one parameter of the model but may sit on different stages, 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +116,16 @@ class LayerChain:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def fingerprint(self) -> str:
+        """A short hash of what profiles and checkpoints depend on: the name, every layer's parameter count and the
+        shapes between the layers (for one sample)."""
+        h = hashlib.sha256()
+        h.update(self.name.encode())
+        h.update(json.dumps(self.layer_num_params()).encode())
+        for specs in self.boundaries(1):
+            h.update(json.dumps([[list(s.shape), str(s.dtype), s.requires_grad] for s in specs]).encode())
+        return h.hexdigest()[:16]
 
     def tied_parameters(self) -> list[Tied]:
         """Pairs ``((layer, param_name), (layer, param_name))`` that are one parameter of the model."""

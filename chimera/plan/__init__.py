@@ -2,10 +2,10 @@
 with the least simulated step time that fits the memory limit."""
 
 from chimera.plan.costs import simulator_costs, stage_costs
-from chimera.plan.memory import WorkerMemory, parse_bytes, worker_memory
+from chimera.plan.memory import WorkerMemory, worker_memory
 from chimera.plan.partition import PartitionResult, plan_partition
-from chimera.plan.planfile import Plan, PlanError
+from chimera.plan.planfile import PlanError, PlanFile
 from chimera.plan.search import Candidate, Evaluated, PlanResult, plan
 
-__all__ = ["Candidate", "Evaluated", "PartitionResult", "Plan", "PlanError", "PlanResult", "WorkerMemory",
-           "parse_bytes", "plan", "plan_partition", "simulator_costs", "stage_costs", "worker_memory"]
+__all__ = ["Candidate", "Evaluated", "PartitionResult", "PlanError", "PlanFile", "PlanResult", "WorkerMemory",
+           "plan", "plan_partition", "simulator_costs", "stage_costs", "worker_memory"]

@@ -23,8 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from chimera.offload.costs import exposed_copy_s, packs_of
+from chimera.offload.policy import Offload
 from chimera.profile import CommProfile, Link, Profile, ProfileError
-from chimera.schedule import Costs, Offload, Schedule
+from chimera.schedule import Costs, Schedule
 
 #: copy passes of adding one buffer into another in place (read two, write one) and writing the result back
 SUM_COPIES = 2.5
@@ -70,7 +72,7 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     empty and its W its whole backward (``Costs.first_stage_whole_backward``).
     """
     sc = stage_costs(profile, stage_layers, unit, recompute)
-    if offload is not None and offload.pack and profile.host_in is not None:
+    if offload is not None and offload.weights and profile.host_in is not None:
         _packed(profile, stage_layers, sc, offload, recompute, profile.device.startswith("cuda"))
     optimizer_s = 0.0
     if optimizer is not None:  # every worker steps its stages' parameters; the step ends with the slowest
@@ -131,24 +133,18 @@ def _host_busy(copy: Link, comm: CommProfile, sc: StageCosts, allreduce: list[fl
 
 def _packed(profile: Profile, stage_layers: Sequence[Sequence[int]], sc: StageCosts, offload: Offload,
             recompute: bool, overlap: bool) -> None:
-    """Add their pack swaps to the forward and backward of every stage whose weights move in packs: on CPU every
-    pack's copy (synchronous); with a copy stream (GPU) the first pack's, and what the others take beyond the
-    compute they run beside. A recomputing backward streams the packs twice (its forward again)."""
+    """Add their pack copies (:func:`chimera.offload.costs.exposed_copy_s`) to the forward and backward of every
+    stage whose weights move in packs. A recomputing backward streams the packs twice (its forward again)."""
     assert profile.host_in is not None
     last = len(stage_layers) - 1
     for s, layers in enumerate(stage_layers):
         if not offload.packed_at(s):
             continue
-        k = offload.pack
-        times = [profile.host_in.time(sum(profile.layers[i].param_bytes for i in layers[j:j + k]))
-                 for j in range(0, len(layers), k)]
-
-        def exposed(compute: float, times: list[float] = times) -> float:
-            return times[0] + max(0.0, sum(times[1:]) - compute) if overlap else sum(times)
-
+        times = [profile.host_in.time(sum(profile.layers[i].param_bytes for i in pack))
+                 for pack in packs_of(layers, offload.at(s).pack)]
         again = 2 if recompute and s < last else 1
-        sc.bwd[s] += again * exposed(sc.bwd[s] / again)
-        sc.fwd[s] += exposed(sc.fwd[s])
+        sc.bwd[s] += again * exposed_copy_s(times, sc.bwd[s] / again, overlap)
+        sc.fwd[s] += exposed_copy_s(times, sc.fwd[s], overlap)
 
 
 def _allreduce_link(profile: Profile, ranks: int):  # type: ignore[no-untyped-def]

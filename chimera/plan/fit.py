@@ -1,161 +1,129 @@
-"""Does a configuration fit in memory? The planner's memory model applied before anything starts.
-
-The model needs per-layer bytes (parameters, optimizer state, what autograd saves, inputs and outputs) at the
-schedule's unit size. They come from the chain's shapes on the meta device, which allocates nothing, so any
-micro-batch size can be priced in well under a second without a profile::
+"""Does a configuration fit a worker's memory? The memory model (:mod:`chimera.plan.memory`) applied to a
+schedule and a partition, choosing the least offload that fits.
 
     peaks = estimate_peaks(chain, schedule, stage_layers, unit=4, optimizer="adamw", recompute=False)
-    check_fits(cfg, chain, schedule, stage_layers)   # ConfigError naming --micro-batch-size when it cannot fit
-    ranked = fit_choice(cfg, chain, ranked, split)     # --schedule auto: candidates over the memory marked
+    off, lowered, mem = fit_offload(profile, schedule, stage_layers, 4, "adamw", False, budget=2**30)
+    available_memory("cpu", workers=4)      # (bytes, where from): what a worker may use when no budget is given
+
+Per-layer bytes come from a profile, or from the chain's shapes on the meta device (:func:`chimera.profile.shapes.
+shapes_profile`), which allocates nothing, so any micro-batch size is priced in well under a second.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
+import psutil
 import torch
 
-from chimera.plan.memory import GiB, WorkerMemory, parse_bytes, worker_memory
+from chimera.offload.lowering import lower
+from chimera.offload.policy import Level, Offload, ladder
+from chimera.plan.memory import WorkerMemory, worker_memory
+from chimera.profile import Profile
 from chimera.profile.shapes import shapes_profile
 from chimera.schedule import Schedule
+from chimera.util.units import GiB
 
 
 def estimate_peaks(chain: Any, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int, optimizer: str,
-                   recompute: bool, exchange: bool = True) -> list[WorkerMemory]:
-    """The memory model's peak per worker of one data-parallel group, from the chain's shapes
-    (:func:`chimera.profile.shapes.shapes_profile`)."""
-    return worker_memory(shapes_profile(chain, unit), schedule, stage_layers, unit, optimizer, recompute, exchange)
+                   recompute: bool, exchange: bool = True, offload: Offload | None = None) -> list[WorkerMemory]:
+    """The memory model's peak per worker of one data-parallel group, from the chain's shapes."""
+    return worker_memory(shapes_profile(chain, unit), schedule, stage_layers, unit, optimizer, recompute, exchange,
+                         offload=offload)
 
 
-def available_per_worker(cfg: Any, world: int) -> tuple[int, str] | None:
-    """(bytes, where from) one worker may use: ``--memory-per-worker``, else the free memory of the visible GPU
-    (``--device cuda``) or this machine's available memory shared by ``world`` workers; None when unknown."""
-    t = cfg.training
-    if t.memory_per_worker and t.memory_per_worker != "device":
-        return parse_bytes(t.memory_per_worker), f"--memory-per-worker {t.memory_per_worker}"
-    if t.device == "cuda":
+def available_memory(device: str, workers: int) -> tuple[int, str] | None:
+    """(bytes, where from) one worker may use when no budget is given: the free memory of the visible GPU, or this
+    machine's available memory shared by ``workers`` workers; None when unknown (no GPU visible)."""
+    if device == "cuda":
         if not torch.cuda.is_available():
             return None
         free, _ = torch.cuda.mem_get_info()
         return free, "free memory of this machine's GPU"
-    import psutil
-
     avail = psutil.virtual_memory().available
-    return avail // max(1, world), f"{avail / GiB:.1f} GiB available on this machine / {world} workers"
+    return avail // max(1, workers), f"{avail / GiB:.1f} GiB available on this machine / {workers} workers"
 
 
-def device_budget(cfg: Any) -> Any:
-    """``cfg`` with ``--memory-per-worker device`` replaced by the bytes a worker has (:func:`available_per_worker`:
-    the visible GPU's free memory, or this machine's available memory shared by the job's workers)."""
-    from chimera.validation import ConfigError
-
-    if cfg.training.memory_per_worker != "device":
-        return cfg
-    s = cfg.schedule
-    have = available_per_worker(cfg, s.stages * s.data_parallel)
-    if have is None:
-        raise ConfigError("--memory-per-worker device: no GPU is visible here to read its memory from; give the "
-                          "budget in bytes (e.g. 70GiB)")
-    return cfg.with_flags(memory_per_worker=str(have[0]))
-
-
-def check_fits(cfg: Any, chain: Any, schedule: Schedule, stage_layers: Sequence[Sequence[int]]) -> WorkerMemory:
-    """The largest worker's peak; :class:`~chimera.validation.ConfigError` with the estimate and what to change
-    when it exceeds the memory a worker has (:func:`available_per_worker`)."""
-    from chimera.validation import ConfigError
-
-    s, t = cfg.schedule, cfg.training
-    unit = int(s.micro_batch_size * schedule.microbatch_scale)
-    peaks = estimate_peaks(chain, schedule, stage_layers, unit, t.optimizer, t.recompute, t.device != "cuda")
-    worst = max(range(len(peaks)), key=lambda w: peaks[w].total)
-    peak = peaks[worst]
-    limit = available_per_worker(cfg, schedule.workers * schedule.data_parallel)
-    if limit is not None and peak.total > limit[0]:
-        raise ConfigError(
-            f"--micro-batch-size {s.micro_batch_size} cannot fit: the memory model estimates {peak.total / GiB:.2f} "
-            f"GiB at worker {worst}'s peak (parameters {peak.params / GiB:.2f}, optimizer {peak.optimizer / GiB:.2f}, "
-            f"gradients {peak.grads / GiB:.2f}, activations {peak.activations / GiB:.2f}, messages "
-            f"{peak.messages / GiB:.2f}, gradient sums {peak.sync / GiB:.2f} GiB) but a worker has "
-            f"{limit[0] / GiB:.2f} GiB ({limit[1]}); lower --micro-batch-size, add --recompute or more --stages, "
-            "or set --memory-per-worker")
-    return peak
-
-
-def fit_budget(cfg: Any, chain: Any, sched: Schedule, stage_layers: list[list[int]], unit: int) -> tuple[Any, Schedule]:
-    """The config (its offload policy chosen, for ``--offload auto``) and its schedule lowered with that policy.
-    With ``--memory-per-worker`` the memory model prices it on the chain's shapes and a configuration that cannot
-    fit is refused (ConfigError naming the bytes needed per policy against the budget)."""
-    from chimera.plan.search import fit_offload
-    from chimera.schedule import OFFLOAD_POLICIES, Offload, lower
-    from chimera.validation import ConfigError
-
-    t = cfg.training
-    if t.offload_pack and any(a.kind.spec.part_of is not None for row in sched.actions for a in row):
-        raise ConfigError(f"--offload-pack {t.offload_pack} streams a stage's weights through one backward, but a split "
-                          "backward (I, then W later) needs them twice: drop --offload-pack or --split-backward")
-    if t.memory_per_worker is None:
-        try:
-            return cfg, lower(sched, Offload(t.offload, t.prefetch, t.offload_pack))
-        except ValueError as e:
-            raise ConfigError(f"--offload {t.offload}: {e}") from None
-    try:
-        Offload(t.offload if t.offload != "auto" else "none", t.prefetch).check(sched.stages)
-    except ValueError as e:
-        raise ConfigError(f"--offload {t.offload}: {e}") from None
-    policies = OFFLOAD_POLICIES if t.offload == "auto" else (t.offload,)
-    try:
-        off, lowered, _ = fit_offload(shapes_profile(chain, unit), sched, stage_layers, unit, t.optimizer,
-                                      t.recompute, parse_bytes(t.memory_per_worker), policies, t.prefetch,
-                                      exchange=t.device == "cpu", per_stage=t.offload == "auto", pack=t.offload_pack)
-    except ValueError as e:
-        raise ConfigError(f"--memory-per-worker {t.memory_per_worker}: {e}") from None
-    return cfg.with_flags(offload=off.text), lowered
+def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
+                optimizer: str, recompute: bool, budget: int, offloads: Sequence[Offload] | None = None,
+                exchange: bool = True, per_stage: bool = False) -> tuple[Offload, Schedule, list[WorkerMemory]]:
+    """The first of ``offloads`` (least offload first; default: every level of the ladder for every stage) whose
+    every worker fits ``budget`` bytes, the compute-only ``schedule`` lowered with it, and the workers' peaks;
+    ValueError naming the bytes needed against the budget and what to change when none fits. ``per_stage``: then
+    the least offload per stage that fits (each worker by the policies of the stages it holds, none above the
+    first uniform policy that fits; see :func:`_least_per_stage`)."""
+    offloads = list(offloads) if offloads is not None else [Offload.uniform(lv) for lv in ladder()]
+    tried = []
+    for k, off in enumerate(offloads):
+        lowered = lower(schedule, off)
+        mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off)
+        w = max(range(len(mem)), key=lambda i: mem[i].total)
+        if mem[w].total <= budget:
+            if per_stage and k > 0 and all(o.uniform_level for o in offloads[:k + 1]):
+                first = off.stages[0]
+                return _least_per_stage(profile, schedule, stage_layers, unit, optimizer, recompute, budget,
+                                        [o.stages[0].level for o in offloads[:k + 1]], first.prefetch, exchange,
+                                        first.pack)
+            return off, lowered, mem
+        m = mem[w]
+        tried.append(f"--offload {off.text}: {m.total} bytes ({m.total / 2**20:.1f} MiB) on worker {w}: parameters "
+                     f"{m.params}, optimizer state {m.optimizer}, gradients {m.grads}, activations {m.activations}, "
+                     f"messages {m.messages}, gradient sums {m.sync}")
+    last = offloads[-1]
+    top = max(s.level.amount for s in last.stages)
+    more = [lv for lv in ladder() if lv.amount > top]
+    packed = any(s.pack for s in last.stages)
+    hint = f"--offload {more[-1].name} or auto, " if more else ("--offload-pack 1 (weights in packs of layers), "
+                                                                if not packed else "a smaller --offload-pack, ")
+    raise ValueError(f"the configuration needs more than the budget of {budget} bytes ({budget / 2**20:.1f} MiB) per "
+                     f"worker: {'; '.join(tried)}. Change: {hint}more stages (--stages), --recompute, a smaller "
+                     "--micro-batch-size or --prefetch, or a larger --memory-per-worker")
 
 
-def fit_choice(cfg: Any, chain: Any, ranked: Sequence[Any], split: Callable[[int], list[list[int]]]) -> list[Any]:
-    """``--schedule auto``'s ranking (:func:`chimera.schedule.best.rank`) with the candidates that the memory model
-    says cannot fit marked (:func:`chimera.schedule.best.exclude`), so that its first is the fastest that fits.
+def _least_per_stage(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
+                     optimizer: str, recompute: bool, budget: int, policies: Sequence[Level], prefetch: int,
+                     exchange: bool, pack: int = 0) -> tuple[Offload, Schedule, list[WorkerMemory]]:
+    """The least per-stage offload that fits, given that ``policies[-1]`` for every stage fits.
 
-    The budget is ``--memory-per-worker``, else the memory a worker has (:func:`available_per_worker`); each
-    candidate is priced on ``split(stages)`` (its stage -> layers map) at its unit size, weights included, so that
-    a schedule holding more of the model (Chimera 2, four-pipe Chimera 4 shares) pays for it. With a budget the
-    configured offload is priced; with ``--offload auto`` a schedule that fits without offload is preferred to a
-    faster one that needs it, and so on up the policies. When nothing fits, the ranking is returned unmarked and
-    the checks that follow refuse the fastest, naming what to change.
-    """
-    from chimera.schedule import OFFLOAD_POLICIES, Offload, lower
-    from chimera.schedule.best import exclude
+    A worker's memory depends only on the policies of the stages it holds, so stages are grouped by the workers
+    that share them (a Chimera worker holds stage i and D-1-i) and every group takes the first combination that
+    fits its workers, in order of total offload, the heaviest stages offloaded first among equals. Groups are
+    priced together (one lowering per round), and a group of more than three stages tries uniform levels only,
+    so the search takes at most ``len(policies) ** 3`` rounds."""
+    d = schedule.stages
+    parent = list(range(d))
 
-    s, t = cfg.schedule, cfg.training
-    have = available_per_worker(cfg, s.stages * s.data_parallel)
-    if have is None:
-        return list(ranked)
-    budget = have[0]
-    budgeted = t.memory_per_worker is not None
-    policies = (OFFLOAD_POLICIES if t.offload == "auto" else (t.offload,)) if budgeted else (None,)
-    profiles: dict[int, Any] = {}
-    for policy in policies:
-        over: dict[str, str] = {}
-        for c in (c for c in ranked if c.fits):
-            if t.offload_pack and c.options.get("split_backward"):
-                over[c.label] = "--offload-pack needs a whole backward"
-                continue
-            sched = c.schedule
-            unit = int(s.micro_batch_size * sched.microbatch_scale)
-            if unit not in profiles:
-                profiles[unit] = shapes_profile(chain, unit)
-            try:
-                off = Offload(policy, t.prefetch, t.offload_pack) if policy else None
-                mem = worker_memory(profiles[unit], lower(sched, off) if off else sched, split(sched.stages), unit,
-                                    t.optimizer, t.recompute, t.device != "cuda", offload=off)
-            except ValueError as e:
-                over[c.label] = str(e)
-                continue
-            need = max(m.total for m in mem)
-            if need <= budget:
-                return exclude(ranked, over)
-            over[c.label] = f"needs {need / GiB:.2f} of {budget / GiB:.2f} GiB" + (
-                f" with --offload {policy}" if policy and policy != "none" else "")
-    return list(ranked)
+    def root(s: int) -> int:
+        while parent[s] != s:
+            s = parent[s]
+        return s
 
+    holders = [[s for _, s in schedule.stages_of(w)] for w in range(schedule.workers)]
+    for held in holders:
+        for s in held[1:]:
+            parent[root(s)] = root(held[0])
+    groups = [[s for s in range(d) if root(s) == r] for r in sorted({root(s) for s in range(d)})]
+    weight = [sum(profile.layers[i].param_bytes for i in layers) for layers in stage_layers]
+    top = len(policies) - 1
+    orders = []
+    for g in groups:
+        heavy = sorted(g, key=lambda s: -weight[s])
+        combos = (itertools.product(range(top + 1), repeat=len(g)) if len(g) <= 3
+                  else ((k,) * len(g) for k in range(top + 1)))
+        orders.append(sorted((dict(zip(g, c)) for c in combos),
+                             key=lambda c: (sum(c.values()), [-c[s] for s in heavy])))
+    chosen: dict[int, dict[int, int]] = {}
+    for j in range(max(len(o) for o in orders)):
+        levels = {s: lv for gi, o in enumerate(orders) for s, lv in chosen.get(gi, o[min(j, len(o) - 1)]).items()}
+        off = Offload.of([policies[levels[s]] for s in range(d)], prefetch, pack)
+        lowered = lower(schedule, off)
+        mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off)
+        for gi, g in enumerate(groups):
+            if gi not in chosen and all(mem[w].total <= budget for w, held in enumerate(holders) if held[0] in g):
+                chosen[gi] = {s: levels[s] for s in g}
+        if len(chosen) == len(groups):
+            uniform = off.uniform_level
+            return (Offload.uniform(off.stages[0].level, prefetch, pack) if uniform else off), lowered, mem
+    raise AssertionError("the uniform policy fits, so every group fits by its last combination")  # pragma: no cover

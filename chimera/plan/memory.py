@@ -17,7 +17,7 @@ for a pair of replicas also the peer's bucket, received into a buffer posted whe
 With offload (a schedule lowered with ``Offload``), for every stage by that stage's policy, the device holds no
 optimizer state, gradients only from a backward to their GRAD_OUT (gradient sums then run over host buffers), and,
 with weights offloaded, a stage's weights only from its SWAP_IN to its SWAP_OUT; with weights in packs
-(``Offload.pack``) only during the stage's own forwards and backwards, at most two consecutive packs at once.
+(``StageOffload.pack``) only during the stage's own forwards and backwards, at most two consecutive packs at once.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from chimera.offload.policy import Offload
 from chimera.profile import Profile
-from chimera.schedule import Action, Kind, Offload, Schedule
-
-GiB = 2**30
+from chimera.schedule import Action, Kind, Schedule
+from chimera.schedule.kinds import SPECS, activation_change
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,11 @@ class _Stage:
 
 
 def _stages(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, optimizer: str,
-            recompute: bool, pack: int = 0) -> list[_Stage]:
+            recompute: bool, offload: Offload | None = None) -> list[_Stage]:
     out = []
     last = len(stage_layers) - 1
     for s, layers in enumerate(stage_layers):
+        pack = offload.at(s).pack if offload is not None and offload.packed_at(s) else 0
         costs = [profile.cost(i, unit) for i in layers]
         full = sum(c.stash_bytes for c in costs) + costs[0].input_bytes
         kept = costs[0].input_bytes if recompute and s < last else full
@@ -116,35 +117,30 @@ class MemoryWalk:
         live = [0] * n
         grads, flats = zero, zero
         row = schedule.actions[w]
-        evicted = {(a.pipe, a.stage) for a in row if a.kind is Kind.SWAP_OUT}  # weights offloaded: start off device
+        evicted = {(a.pipe, a.stage) for a in row if SPECS[a.kind].memory.resident is False}  # start off device
         resident = tuple(int(ps not in evicted) for ps in pairs)
         states: set[tuple[tuple[int, ...], ...]] = set()
-        for a in row:
-            kind = a.kind
-            if kind is Kind.F:  # its output waits to be sent (its received input is now part of the stash)
-                k = slot[(a.pipe, a.stage)]
-                live[k] += a.count
-                states.add((tuple(live), grads, zero, at(k, a.count), zero, flats, resident, at(k, 1)))
-            elif kind in (Kind.B, Kind.I):  # the output gradient in, the input gradient out; recomputing, a transient
-                k = slot[(a.pipe, a.stage)]
-                grads = put(grads, k, 1)
+        effects = {kind: (spec.memory, activation_change(kind)) for kind, spec in SPECS.items()}
+        for a in row:  # every kind by its row of the kinds table: its memory effect and activation change
+            m, change = effects[a.kind]
+            change *= a.count
+            k = slot.get((a.pipe, a.stage))
+            if k is None:
+                continue  # an action of no stage (the optimizer step)
+            if change > 0:
+                live[k] += change
+            grads = put(grads, k, 1) if m.grads else grads
+            flats = put(flats, k, 1) if m.flat else flats
+            resident = put(resident, k, 1) if m.resident else resident
+            if m.peak:
                 c = at(k, a.count)
-                states.add((tuple(live), grads, c, c, c, flats, resident, at(k, 1)))
-                if kind is Kind.B:
-                    live[k] -= a.count
-            elif kind is Kind.W:  # a split backward's stash lives until its weight gradients are made
-                live[slot[(a.pipe, a.stage)]] -= a.count
-            elif kind is Kind.ALLREDUCE_START:
-                k = slot[(a.pipe, a.stage)]
-                flats = put(flats, k, 1)
-                states.add((tuple(live), grads, zero, zero, zero, flats, resident, zero))
-            elif kind is Kind.SWAP_IN:
-                resident = put(resident, slot[(a.pipe, a.stage)], 1)
-                states.add((tuple(live), grads, zero, zero, zero, flats, resident, zero))
-            elif kind is Kind.SWAP_OUT:
-                resident = put(resident, slot[(a.pipe, a.stage)], 0)
-            elif kind is Kind.GRAD_OUT:
-                grads = put(grads, slot[(a.pipe, a.stage)], 0)
+                t = m.transient
+                states.add((tuple(live), grads, c if "recompute" in t else zero, c if "out" in t else zero,
+                            c if "in" in t else zero, flats, resident, at(k, 1) if "pack" in t else zero))
+            if change < 0:
+                live[k] += change
+            grads = put(grads, k, 0) if m.grads is False else grads
+            resident = put(resident, k, 0) if m.resident is False else resident
         if not schedule.lowered:  # the step's end: every stage's gradient sum started (a lowered list says when)
             states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident, zero))
         return held, groups, _maximal(states)
@@ -176,7 +172,7 @@ def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[S
     posted at the step's start); ``offload``: the policy the schedule was lowered with.
     """
     off = offload or Offload()
-    stages = _stages(profile, stage_layers, unit, optimizer, recompute, off.pack)
+    stages = _stages(profile, stage_layers, unit, optimizer, recompute, off)
     walk = walk or MemoryWalk(schedule)
     return [_worker(held, groups, states, stages, exchange, off) for held, groups, states in walk.workers]
 
@@ -208,7 +204,7 @@ def swap_bytes(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequ
                offload: Offload | None = None, recompute: bool = False) -> list[int]:
     """Bytes every worker of a schedule lowered with offload moves between host and device in a step: a stage's
     weights per SWAP_IN, its gradients per GRAD_OUT (every parameter of a stage gets a gradient); a stage whose
-    weights move in packs (``offload.pack``) moves them all once per micro-batch of every forward and backward,
+    weights move in packs (``StageOffload.pack``) moves them all once per micro-batch of every forward and backward,
     twice in a recomputing backward (its forward again, then the backward)."""
     stages = _stages(profile, stage_layers, profile.micro_batch_sizes[0], "sgd", False)
     off = offload or Offload()
@@ -224,21 +220,3 @@ def swap_bytes(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequ
         return 0
 
     return [sum(moved(a) for a in row) for row in schedule.actions]
-
-
-def parse_bytes(text: str) -> int:
-    """``"80GiB"``, ``"512MiB"``, ``"1.5e9"`` or ``"4GB"`` -> bytes; ValueError says the accepted forms."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "tb": 10**12, "b": 1, "": 1}
-    t = text.strip().lower().replace(" ", "")
-    num = t.rstrip("kmgtib")
-    unit = t[len(num):]
-    if unit not in units:
-        raise ValueError(f"cannot read {text!r} as bytes; write e.g. 80GiB, 512MiB, 4GB or 1.5e9")
-    try:
-        value = float(num)
-    except ValueError:
-        raise ValueError(f"cannot read {text!r} as bytes; write e.g. 80GiB, 512MiB, 4GB or 1.5e9") from None
-    if value <= 0:
-        raise ValueError(f"a memory size must be positive, got {text!r}")
-    return int(value * units[unit])

@@ -1,26 +1,151 @@
-"""The planned partition: layers split into stages to minimise the simulated step time under a memory limit.
+"""Partitioning, in one place: the split of a chain's layers into ``D`` consecutive, non-empty stages.
 
-Each worker runs the stages it holds: one in GPipe/1F1B, stages w, w+D, ... under interleaving, and stage i of
-the down pipe with stage D-1-i of the up pipe in Chimera, so a balanced Chimera partition balances the pair,
-not the stage. The search:
+Fixed methods (:func:`partition`, no profile needed):
+
+- ``"uniform"``: balance the inner layers (a transformer's blocks). The ``L`` layers between the first and the
+  last are spread as evenly as possible over the ``D`` stages; the first layer (embeddings) joins stage 0 and
+  the last (head) joins stage ``D-1``. When they do not divide evenly, the extra layers go to the middle
+  stages first, then to stage 0, and to the last stage only as a last resort, because the first and last
+  stages already carry the embeddings and the (large, vocabulary-sized) head. With ``D > L`` the first and
+  then the last layer get stages of their own.
+- ``"params"``: contiguous split that minimises the largest per-stage parameter count (a tied weight
+  counts in each stage that stores a copy).
+- explicit: a list of ``D`` stage sizes (layers per stage, summing to ``num_layers``), a list of ``D+1``
+  boundaries ``[0, b1, ..., num_layers]``, or the same as a comma-separated string (``"3,3,2"``).
+
+The planned partition (:func:`plan_partition`, ``--partition planned``): layers split to minimise the simulated
+step time under a memory limit. Each worker runs the stages it holds: one in GPipe/1F1B, stages w, w+D, ... under
+interleaving, and stage i of the down pipe with stage D-1-i of the up pipe in Chimera, so a balanced Chimera
+partition balances the pair, not the stage. The search:
 
 1. the contiguous split minimising the largest stage's compute (dynamic programming over the layers);
 2. hill climbing on the largest *worker* load (a boundary moves by one layer while that lowers it);
 3. hill climbing on the simulated step time, refusing moves that break the memory limit.
 
+    partition(chain, 4, "uniform")                       # [[0, 1], [2], [3], [4, 5]]
     sizes, pred = plan_partition(profile, schedule, unit=4, recompute=False, optimizer="adamw")
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from chimera.offload.lowering import lower
+from chimera.offload.policy import Offload
 from chimera.plan.costs import simulator_costs
 from chimera.plan.memory import MemoryWalk, WorkerMemory, worker_memory
 from chimera.profile import Profile
-from chimera.schedule import Offload, Schedule, lower, simulate
-from chimera.splits import layers_of, min_max_split
+from chimera.schedule import Schedule, simulate
+
+
+def min_max_split(counts: Sequence[float], stages: int) -> list[int]:
+    """Contiguous split of ``counts`` into ``stages`` non-empty parts minimising the maximum part sum (part sizes).
+
+    The ``"params"`` method splits parameter counts with it; the planner splits measured compute."""
+    n = len(counts)
+    prefix = [0]
+    for c in counts:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: minimal max-sum splitting the first i layers into k stages; arg for reconstruction
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    arg = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], arg[k][i] = cost, j
+    sizes, i = [], n
+    for k in range(stages, 0, -1):
+        j = arg[k][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def layers_of(sizes: Sequence[int]) -> list[list[int]]:
+    """Stage -> consecutive layer indices, for stage sizes."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def _check_stages(model: Any, stages: int) -> None:
+    if stages < 1:
+        raise ValueError(f"the number of stages must be >= 1, got D={stages}; use --stages >= 1")
+    if stages > model.num_layers:
+        raise ValueError(
+            f"D={stages} is larger than the {model.num_layers} layers of {model.name}; "
+            f"use --stages <= {model.num_layers} or a deeper model"
+        )
+
+
+def _uniform_sizes(num_blocks: int, stages: int) -> list[int]:
+    """Layers per stage for the ``"uniform"`` method (see module docstring)."""
+    if stages == 1:
+        return [num_blocks + 2]
+    if stages > num_blocks:  # one block per stage; embeddings, then head, get their own stage
+        blocks = [1] * num_blocks
+        if stages == num_blocks + 1:  # head alone: it is the heavier of the two ends
+            return [2, *blocks[1:], 1]
+        return [1, *blocks, 1]
+    base, extra = divmod(num_blocks, stages)
+    blocks = [base] * stages
+    order = list(range(1, stages - 1)) + [0, stages - 1]
+    for s in order[:extra]:
+        blocks[s] += 1
+    blocks[0] += 1
+    blocks[-1] += 1
+    return blocks
+
+
+def _explicit(model: Any, stages: int, spec: Sequence[int]) -> list[int]:
+    spec = [int(x) for x in spec]
+    n = model.num_layers
+    hint = (
+        f"give {stages} stage sizes summing to {n} (e.g. {_uniform_sizes(model.num_layers - 2, stages)}) "
+        f"or {stages + 1} boundaries from 0 to {n}"
+    )
+    if len(spec) == stages:
+        if any(s < 1 for s in spec) or sum(spec) != n:
+            raise ValueError(
+                f"stage sizes {spec} must be >= 1 and sum to the {n} layers of {model.name}; {hint}"
+            )
+        return spec
+    if len(spec) == stages + 1:
+        ok = spec[0] == 0 and spec[-1] == n and all(a < b for a, b in zip(spec, spec[1:]))
+        if not ok:
+            raise ValueError(
+                f"boundaries {spec} must rise strictly from 0 to {n} ({model.name} has {n} layers); {hint}"
+            )
+        return [b - a for a, b in zip(spec, spec[1:])]
+    raise ValueError(f"explicit partition {spec} has {len(spec)} entries for D={stages}; {hint}")
+
+
+def partition(model: Any, stages: int, method: str | Sequence[int] = "uniform") -> list[list[int]]:
+    """Layer indices of each of the ``stages`` stages (consecutive, covering all layers, non-empty)."""
+    _check_stages(model, stages)
+    if isinstance(method, str):
+        if method == "uniform":
+            sizes = _uniform_sizes(model.num_layers - 2, stages)
+        elif method == "params":
+            sizes = min_max_split(model.layer_num_params(), stages)
+        elif method.replace(",", "").replace(" ", "").isdigit():
+            sizes = _explicit(model, stages, [int(x) for x in method.split(",") if x.strip()])
+        else:
+            raise ValueError(
+                f"unknown partition method {method!r}; use 'uniform', 'params', "
+                "a list of stage sizes or boundaries, or a comma-separated string of them"
+            )
+    else:
+        sizes = _explicit(model, stages, method)
+    return layers_of(sizes)
 
 
 @dataclass(frozen=True)

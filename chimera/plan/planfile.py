@@ -1,7 +1,7 @@
 """The plan file: the configuration the planner chose, with its predictions, for a run to train exactly that.
 
-    plan = Plan.load("profiles/bert-tiny.plan.json")
-    cfg = plan.apply(TrainConfig.from_flags(model="bert-tiny"))   # schedule, D, W, B, N, recompute, partition
+    plan = PlanFile.load("profiles/bert-tiny.plan.json")
+    plan.flags        # schedule, D, W, B, N, recompute, offload, partition: what --plan FILE trains
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
-class Plan:
+class PlanFile:
     """The chosen configuration (training flags) and what the simulator predicted for it."""
 
     model: str
@@ -39,24 +39,22 @@ class Plan:
     ranked: list[dict[str, Any]] = field(default_factory=list)  # the runners-up, for the record
 
     @staticmethod
-    def from_result(result: PlanResult, model: str, fingerprint: str, device: str, keep: int = 10) -> Plan:
+    def from_result(result: PlanResult, model: str, fingerprint: str, device: str, keep: int = 10) -> PlanFile:
         """The best candidate of ``result`` as a plan (PlanError when nothing fits)."""
         if not result.ranked:
             reasons = sorted({e.reason for e in result.infeasible if e.reason})[:5]
             raise PlanError(f"no configuration of {model} fits on {result.inputs.get('workers')} workers: "
                             + "; ".join(reasons))
         best = result.ranked[0]
-        return Plan(model, fingerprint, device, result.inputs["workers"], result.inputs["global_batch"],
+        return PlanFile(model, fingerprint, device, result.inputs["workers"], result.inputs["global_batch"],
                     result.inputs.get("memory_limit"), plan_flags(best), float(best.step_s or 0.0),
                     float(best.samples_per_s or 0.0), float(best.bubble or 0.0), int(best.peak_memory or 0),
                     ranked=[summary(e) for e in result.ranked[:keep]])
 
-    def apply(self, cfg: Any) -> Any:
-        """``cfg`` (a TrainConfig) with this plan's schedule, sizes, recomputation and partition."""
-        if cfg.model.name != self.model:
-            raise PlanError(f"the plan is for model {self.model}, not --model {cfg.model.name}; plan this model with "
-                            "chimera plan")
-        return cfg.with_flags(**self.flags)
+    def check_model(self, model: str) -> None:
+        """PlanError unless the plan was made for ``model``."""
+        if model != self.model:
+            raise PlanError(f"the plan is for model {self.model}, not {model}; plan this model with chimera plan")
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -65,7 +63,7 @@ class Plan:
         return path
 
     @staticmethod
-    def load(path: str | Path) -> Plan:
+    def load(path: str | Path) -> PlanFile:
         path = Path(path)
         if not path.is_file():
             raise PlanError(f"no plan at {path}; make one with chimera plan --model NAME --profile P --workers K -o "
@@ -77,7 +75,7 @@ class Plan:
         if d.get("version") != PLAN_VERSION:
             raise PlanError(f"{path}: plan format {d.get('version')} is not {PLAN_VERSION}; make it again")
         try:
-            return Plan(**d)
+            return PlanFile(**d)
         except TypeError as e:
             raise PlanError(f"{path}: malformed plan ({e}); make it again with chimera plan") from None
 

@@ -18,28 +18,27 @@ bound (its busiest worker's compute) cannot beat the current top list is not sim
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from chimera.plan.memory import WorkerMemory, worker_memory
-from chimera.plan.partition import PartitionResult, plan_partition
+from chimera.offload.policy import Offload, ladder
+from chimera.plan.fit import fit_offload
+from chimera.plan.partition import PartitionResult, layers_of, plan_partition
 from chimera.profile import Profile
-from chimera.schedule import OFFLOAD_POLICIES, Offload, Schedule, ScheduleConfigError, build_schedule, lower
-from chimera.schedule.best import candidates as best_candidates
-from chimera.schedule.generators import CHUNKED, SPLIT_ONLY
-from chimera.splits import layers_of
+from chimera.schedule import Schedule, ScheduleConfigError, build_schedule
+from chimera.schedule.registry import ScheduleSpec
+from chimera.schedule.registry import candidates as registry_candidates
+from chimera.schedule.registry import get as schedule_spec
 
 
 def schedules(stages: int, microbatches: int) -> list[tuple[str, str, int, bool]]:
-    """(schedule, Chimera mode, chunks, split backward) of every schedule that builds for (D, N): GPipe, then
-    ``--schedule auto``'s candidates (one list of them, :func:`chimera.schedule.best.candidates`)."""
-    out = [("gpipe", "direct", 2, False)]
-    for _, name, o in best_candidates(stages, microbatches):
-        out.append((name, o.get("mode", "direct"), o.get("chunks", 2), o.get("split_backward", False)))
-    return out
+    """(schedule, Chimera mode, chunks, split backward) of every schedule of the registry that builds for (D, N)
+    (:func:`chimera.schedule.registry.candidates`)."""
+    return [(spec.name, o.get("mode", "direct"), o.get("chunks", 2), o.get("split_backward", False))
+            for _, spec, o in registry_candidates(stages, microbatches, auto_only=False)]
 
 
 @dataclass(frozen=True)
@@ -54,8 +53,17 @@ class Candidate:
     micro_batches: int
     recompute: bool
     chunks: int = 2
-    offload: str = "none"
+    offload: Offload = Offload()
     split_backward: bool = False
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        return schedule_spec(self.schedule)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The schedule's build options."""
+        return {"mode": self.mode, "chunks": self.chunks, "split_backward": self.split_backward}
 
     @property
     def unit(self) -> int:
@@ -67,19 +75,20 @@ class Candidate:
         return {"schedule": self.schedule, "mode": self.mode, "stages": self.stages,
                 "data_parallel": self.data_parallel, "micro_batch_size": self.micro_batch_size,
                 "micro_batches": self.micro_batches, "recompute": self.recompute, "chunks": self.chunks,
-                "offload": self.offload, "split_backward": self.split_backward}
+                "offload": self.offload.text, "split_backward": self.split_backward}
 
     @property
     def parts(self) -> int:
         """Stages the model is cut into: D, or D x chunks where a worker holds several per pipe."""
-        return self.stages * (self.chunks if self.schedule in CHUNKED else 1)
+        return self.spec.parts(self.stages, self.options)
 
     @property
     def label(self) -> str:
-        name = self.schedule if self.schedule != "chimera" else f"chimera-{self.mode}"
-        split = self.split_backward and self.schedule not in SPLIT_ONLY
+        spec = self.spec
+        name = f"{self.schedule}-{self.mode}" if spec.modes else self.schedule
+        split = self.split_backward and not spec.split_only
         return name + ("+split" if split else "") + ("+recompute" if self.recompute else "") + (
-            f"+offload-{self.offload}" if self.offload != "none" else "")
+            f"+offload-{self.offload.text}" if self.offload.optimizer else "")
 
 
 @dataclass(frozen=True)
@@ -154,13 +163,16 @@ def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int], built: dict[tu
 
 def plan(profile: Profile, workers: int, global_batch: int | None = None, memory_limit: int | None = None,
          optimizer: str = "adamw", top: int = 10, exchange: bool = True, refine: int = 3,
-         stages: int | None = None) -> PlanResult:
+         stages: int | None = None, fixed: Mapping[str, Any] | None = None) -> PlanResult:
     """Rank the configurations of ``profile``'s model on ``workers`` workers (module docstring).
 
     Every candidate is first estimated with its load-balanced partition (the compute-only schedule plus the
     largest gradient sum); the best ``refine`` then get their partition refined and their step simulated on the
     lowered schedule (``chimera.plan.partition``), and the list is ranked again (``Evaluated.exact`` tells the
-    two apart). ``stages`` fixes D (and so W = workers / D)."""
+    two apart). ``stages`` fixes D (and so W = workers / D); ``fixed``: training flags (``Candidate.flags``
+    names) every candidate must have, e.g. ``{"micro_batches": 8, "schedule": "chimera"}``."""
+    fixed = dict(fixed or {})
+    stages = fixed.get("stages", stages)
     if stages is not None and (stages < 1 or workers % stages):
         raise ValueError(f"--stages {stages} must divide --workers {workers}")
     sizes = sorted(profile.micro_batch_sizes)
@@ -171,6 +183,8 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     work: dict[tuple[int, bool], tuple[float, float]] = {}
     built: dict[tuple[Any, ...], Schedule] = {}
     for c, why in candidates(len(profile.layers), workers, g, sizes, built, stages):
+        if not _matches(c, fixed, ("recompute", "offload")):
+            continue
         if why:
             result.infeasible.append(Evaluated(c, reason=why))
         else:
@@ -191,6 +205,9 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
             result.infeasible.append(ev)
             continue
         for fit in [ev, *_per_stage(profile, ev, sched, memory_limit, optimizer, exchange)]:
+            if not _matches(fit.candidate, fixed, ()):
+                result.infeasible.append(dataclasses.replace(fit, reason="not what the fixed flags ask for"))
+                continue
             result.ranked.append(fit)
             heapq.heappush(best, -fit.step_s)  # type: ignore[operator]
             if len(best) > top:
@@ -204,6 +221,12 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     return result
 
 
+def _matches(c: Candidate, fixed: Mapping[str, Any], skip: tuple[str, ...]) -> bool:
+    """Whether candidate ``c`` has every fixed flag (those in ``skip`` are not decided yet)."""
+    flags = c.flags()
+    return all(flags[k] == v for k, v in fixed.items() if k not in skip and k in flags)
+
+
 def _first_fit(profile: Profile, c: Candidate, sched: Schedule, memory_limit: int | None, optimizer: str,
                exchange: bool, tried: list[Evaluated]) -> Evaluated:
     """``c`` estimated as it is; if it does not fit, recomputing, then with ever more of its state in host memory
@@ -212,13 +235,13 @@ def _first_fit(profile: Profile, c: Candidate, sched: Schedule, memory_limit: in
     ev = _evaluate(profile, c, sched, memory_limit, optimizer, exchange, rounds=0, exact=False)
     if ev.reason is not None and "memory" in ev.reason and not c.recompute:
         tried.append(ev)
-        ev = _evaluate(profile, Candidate(**{**c.flags(), "recompute": True}), sched, memory_limit, optimizer,
+        ev = _evaluate(profile, dataclasses.replace(c, recompute=True), sched, memory_limit, optimizer,
                        exchange, rounds=0, exact=False)
-    for policy in OFFLOAD_POLICIES[1:]:
+    for lv in ladder()[1:]:
         if ev.reason is None or "memory" not in ev.reason:
             break
         tried.append(ev)
-        ev = _evaluate(profile, Candidate(**{**ev.candidate.flags(), "offload": policy}), sched, memory_limit,
+        ev = _evaluate(profile, dataclasses.replace(ev.candidate, offload=Offload.uniform(lv)), sched, memory_limit,
                        optimizer, exchange, rounds=0, exact=False)
     return ev
 
@@ -234,22 +257,13 @@ def _lower_bound(profile: Profile, c: Candidate, cache: dict[tuple[int, bool], t
         cache[key] = (t["forward"] + t["backward"] + (t["recompute"] if c.recompute else 0.0), t["forward"])
     work, forward = cache[key]
     units = c.micro_batches * (2 if c.mode == "halving" else 1)
-    d = c.stages
-    if c.schedule == "chimera":
-        ahead = max(0, d // 2 - 1) / d * (1 if c.mode == "direct" else 2)
-    elif c.schedule == "interleaved":
-        ahead = (d - 1) / (d * c.chunks)
-    elif c.schedule in ("bitpipe", "chimera4"):  # pipes start at four workers (BitPipe: D/2-1 half stages, more)
-        ahead = max(0, d // 4 - 1) / d
-    else:
-        ahead = (d - 1) / d
-    return units * work / d + ahead * forward
+    return units * work / c.stages + c.spec.fill(c.stages, c.options) * forward
 
 
 def _evaluate(profile: Profile, c: Candidate, sched: Schedule, memory_limit: int | None, optimizer: str,
               exchange: bool, rounds: int = 8, exact: bool = True) -> Evaluated:
     part: PartitionResult = plan_partition(profile, sched, c.unit, c.recompute, optimizer, memory_limit, exchange,
-                                           rounds=rounds, exact=exact, offload=Offload(c.offload))
+                                           rounds=rounds, exact=exact, offload=c.offload)
     peak = part.peak_memory
     if memory_limit is not None and peak > memory_limit:
         return Evaluated(c, peak_memory=peak, partition=part.sizes,
@@ -266,92 +280,14 @@ def _per_stage(profile: Profile, ev: Evaluated, sched: Schedule, memory_limit: i
     (heaviest stages offloaded first; :func:`fit_offload`), when that differs from offloading every stage; [] if
     it does not, or does not fit once its partition is searched again."""
     c = ev.candidate
-    if memory_limit is None or c.offload == "none" or "," in c.offload or ev.partition is None:
+    if memory_limit is None or not c.offload.optimizer or not c.offload.uniform_level or ev.partition is None:
         return []
-    upto = OFFLOAD_POLICIES[:OFFLOAD_POLICIES.index(c.offload) + 1]
+    top = c.offload.stages[0].level
+    upto = [lv for lv in ladder() if lv.amount <= top.amount]
     off, _, _ = fit_offload(profile, sched.compute_only(), layers_of(ev.partition), c.unit, optimizer, c.recompute,
-                            memory_limit, upto, exchange=exchange, per_stage=True)
-    if off.text == c.offload:
+                            memory_limit, [Offload.uniform(lv) for lv in upto], exchange=exchange, per_stage=True)
+    if off.text == c.offload.text:
         return []
-    mixed = _evaluate(profile, Candidate(**{**c.flags(), "offload": off.text}), sched, memory_limit, optimizer,
+    mixed = _evaluate(profile, dataclasses.replace(c, offload=off), sched, memory_limit, optimizer,
                       exchange, rounds=0, exact=False)
     return [mixed] if mixed.reason is None else []
-
-
-def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
-                optimizer: str, recompute: bool, budget: int, policies: Sequence[str] = OFFLOAD_POLICIES,
-                prefetch: int = 1, exchange: bool = True, per_stage: bool = False, pack: int = 0
-                ) -> tuple[Offload, Schedule, list[WorkerMemory]]:
-    """The first of ``policies`` (least offload first) whose every worker fits ``budget`` bytes, the compute-only
-    ``schedule`` lowered with it, and the workers' peaks; ValueError naming the bytes needed against the budget
-    and what to change when none fits. ``per_stage``: then the least offload per stage that fits (each worker
-    by the policies of the stages it holds, none above the first uniform policy that fits; see
-    :func:`_least_per_stage`). ``pack``: stages offloading weights move them in packs of that many layers."""
-    tried = []
-    for k, policy in enumerate(policies):
-        off = Offload(policy, prefetch, pack)
-        lowered = lower(schedule, off)
-        mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off)
-        w = max(range(len(mem)), key=lambda i: mem[i].total)
-        if mem[w].total <= budget:
-            if per_stage and k > 0:
-                return _least_per_stage(profile, schedule, stage_layers, unit, optimizer, recompute, budget,
-                                        policies[:k + 1], prefetch, exchange, pack)
-            return off, lowered, mem
-        m = mem[w]
-        tried.append(f"--offload {policy}: {m.total} bytes ({m.total / 2**20:.1f} MiB) on worker {w}: parameters "
-                     f"{m.params}, optimizer state {m.optimizer}, gradients {m.grads}, activations {m.activations}, "
-                     f"messages {m.messages}, gradient sums {m.sync}")
-    more = [p for p in OFFLOAD_POLICIES[OFFLOAD_POLICIES.index(policies[-1]) + 1:]]
-    hint = f"--offload {more[-1]} or auto, " if more else ("--offload-pack 1 (weights in packs of layers), "
-                                                          if not pack else "a smaller --offload-pack, ")
-    raise ValueError(f"the configuration needs more than the budget of {budget} bytes ({budget / 2**20:.1f} MiB) per "
-                     f"worker: {'; '.join(tried)}. Change: {hint}more stages (--stages), --recompute, a smaller "
-                     "--micro-batch-size or --prefetch, or a larger --memory-per-worker")
-
-
-def _least_per_stage(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
-                     optimizer: str, recompute: bool, budget: int, policies: Sequence[str], prefetch: int,
-                     exchange: bool, pack: int = 0) -> tuple[Offload, Schedule, list[WorkerMemory]]:
-    """The least per-stage offload that fits, given that ``policies[-1]`` for every stage fits.
-
-    A worker's memory depends only on the policies of the stages it holds, so stages are grouped by the workers
-    that share them (a Chimera worker holds stage i and D-1-i) and every group takes the first combination that
-    fits its workers, in order of total offload, the heaviest stages offloaded first among equals. Groups are
-    priced together (one lowering per round), and a group of more than three stages tries uniform levels only,
-    so the search takes at most ``len(policies) ** 3`` rounds."""
-    d = schedule.stages
-    parent = list(range(d))
-
-    def root(s: int) -> int:
-        while parent[s] != s:
-            s = parent[s]
-        return s
-
-    holders = [[s for _, s in schedule.stages_of(w)] for w in range(schedule.workers)]
-    for held in holders:
-        for s in held[1:]:
-            parent[root(s)] = root(held[0])
-    groups = [[s for s in range(d) if root(s) == r] for r in sorted({root(s) for s in range(d)})]
-    weight = [sum(profile.layers[i].param_bytes for i in layers) for layers in stage_layers]
-    top = len(policies) - 1
-    orders = []
-    for g in groups:
-        heavy = sorted(g, key=lambda s: -weight[s])
-        combos = (itertools.product(range(top + 1), repeat=len(g)) if len(g) <= 3
-                  else ((k,) * len(g) for k in range(top + 1)))
-        orders.append(sorted((dict(zip(g, c)) for c in combos),
-                             key=lambda c: (sum(c.values()), [-c[s] for s in heavy])))
-    chosen: dict[int, dict[int, int]] = {}
-    for j in range(max(len(o) for o in orders)):
-        levels = {s: lv for gi, o in enumerate(orders) for s, lv in chosen.get(gi, o[min(j, len(o) - 1)]).items()}
-        off = Offload(tuple(policies[levels[s]] for s in range(d)), prefetch, pack)
-        lowered = lower(schedule, off)
-        mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off)
-        for gi, g in enumerate(groups):
-            if gi not in chosen and all(mem[w].total <= budget for w, held in enumerate(holders) if held[0] in g):
-                chosen[gi] = {s: levels[s] for s in g}
-        if len(chosen) == len(groups):
-            uniform = {off.policies[0]} == set(off.policies)
-            return (Offload(off.policies[0], prefetch, pack) if uniform else off), lowered, mem
-    raise AssertionError("the uniform policy fits, so every group fits by its last combination")  # pragma: no cover

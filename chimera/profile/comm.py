@@ -158,7 +158,7 @@ def _local_main(rank: int, world: int, init: str, backend: str, sizes: Sequence[
 def measure_comm_local(world: int = 2, backend: str = "gloo", *, sizes: Sequence[int] = SIZES, reps: int = 3,
                        timeout_s: float = 120.0) -> CommProfile:
     """Run :func:`comm_probe` in ``world`` processes on this machine (NCCL: one GPU per process)."""
-    from chimera.runtime.launch import LocalProcesses
+    from chimera.util.processes import LocalProcesses
 
     if world < 2:
         raise ProfileError(f"a communication probe needs at least 2 processes, got {world}")

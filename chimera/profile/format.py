@@ -12,7 +12,6 @@ numbers::
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -209,11 +208,5 @@ def _layer_cost(d: dict[str, Any]) -> LayerCost:
 
 
 def fingerprint(chain: Any) -> str:
-    """A short hash of what the profile depends on: the chain's name, its layers' parameter counts and the shapes
-    between its layers (for one sample)."""
-    h = hashlib.sha256()
-    h.update(chain.name.encode())
-    h.update(json.dumps(chain.layer_num_params()).encode())
-    for specs in chain.boundaries(1):
-        h.update(json.dumps([[list(s.shape), str(s.dtype), s.requires_grad] for s in specs]).encode())
-    return h.hexdigest()[:16]
+    """The chain's fingerprint (:meth:`chimera.models.LayerChain.fingerprint`): what a profile depends on."""
+    return chain.fingerprint()

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,7 @@ from chimera.profile.format import (
     fingerprint,
 )
 from chimera.profile.timing import PACE_TIMEOUT_S, evict_caches, measure, optimizer_costs, set_pace
-from chimera.runtime.host_memory import StepCollector, keep_freed_memory
+from chimera.util.host_memory import StepCollector, keep_freed_memory
 
 BACKWARDS = {"backward_input": (True, False), "backward_weight": (False, True), "backward": (True, True)}
 
@@ -107,14 +107,14 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
                    versions=current_versions(dev.type), threads=used_threads, micro_batch_sizes=sizes, layers=layers,
                    max_micro_batch_size=max_mbs, device_memory_bytes=memory, comm=comm, host_in=host_in,
                    host_out=host_out,
-                   created=datetime.now(timezone.utc).isoformat(timespec="seconds"), notes=notes)
+                   created=datetime.now(UTC).isoformat(timespec="seconds"), notes=notes)
 
 
 def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str, Any]) -> Profile:
     """``profile_chain`` in ``n`` processes at once; the profile of the slowest (largest summed timings)."""
     import cloudpickle
 
-    from chimera.runtime.launch import LocalProcesses, forkserver_context
+    from chimera.util.processes import LocalProcesses, forkserver_context
 
     packed = cloudpickle.dumps((chain, list(sizes), kw))
     results: list[dict[str, Any]] = []

@@ -71,7 +71,7 @@ def probe_max_micro_batch_size(chain: LayerChain, start: int, *, device: str = "
                                ) -> MemoryProbe:
     """Search the largest micro-batch size whose forward+backward of the whole chain fits on ``device``, one
     fresh process per probed size. Any error other than running out of memory is raised as ProfileError."""
-    from chimera.runtime.launch import forkserver_context, main_not_rerun
+    from chimera.util.processes import forkserver_context, main_not_rerun
 
     packed = cloudpickle.dumps(chain)
     ctx = forkserver_context()

@@ -1,4 +1,5 @@
-"""Checkpoints keyed by layer: save in the background, verify, resume on any D, W or schedule.
+"""Checkpoints keyed by layer, the runtime's side: save in the background, restore on any D, W or schedule
+(directories, manifests and pruning: :mod:`chimera.checkpoint`).
 
 A checkpoint is one directory ``DIR/step-00000006`` (6 steps done) written with torch.distributed.checkpoint
 (DCP): every rank writes its own file of what it owns, rank 0 writes DCP's ``.metadata``; then rank 0 adds
@@ -22,7 +23,6 @@ with the pipeline's.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -31,7 +31,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,67 +38,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-MANIFEST = "manifest.json"
-FORMAT = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, corrupt or made for another run; says what differs."""
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """A verified checkpoint to start from: its directory, the step to run next and its manifest."""
-
-    path: str
-    step: int
-    manifest: dict[str, Any]
-    same_layout: bool  # same schedule, D, W, N and B: every rank gets its own RNG state back
-
-
-def identity(job: Any) -> dict[str, Any]:
-    """What must match to resume at all: the model (name, parameter counts, shapes), optimizer and seed."""
-    from chimera.profile.format import fingerprint
-
-    t = job.cfg.training
-    return {"model": job.chain.name, "fingerprint": fingerprint(job.chain), "layers": job.chain.num_layers,
-            "optimizer": t.optimizer, "seed": t.seed}
-
-
-def layout(job: Any) -> dict[str, Any]:
-    """How the layers were spread: a different layout re-partitions (parameters are keyed by layer)."""
-    s = job.cfg.schedule
-    return {"schedule": s.name, "stages": s.stages, "data_parallel": s.data_parallel, "mode": s.mode,
-            "chunks": s.chunks, "micro_batches": s.micro_batches, "micro_batch_size": s.micro_batch_size,
-            "stage_layers": [list(x) for x in job.stage_layers]}
-
-
-def step_dir(root: str | Path, steps_done: int) -> Path:
-    return Path(root) / f"step-{steps_done:08d}"
-
-
-def partial_dir(root: str | Path, steps_done: int) -> Path:
-    return Path(root) / f".step-{steps_done:08d}.partial"
-
-
-def remove_partial(root: str | Path | None) -> list[Path]:
-    """Delete the directories of interrupted writes under ``root`` (before a launch); returns them."""
-    if root is None or not Path(root).is_dir():
-        return []
-    stale = sorted(Path(root).glob(".step-*.partial"))
-    for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
-    return stale
-
-
-def complete(root: str | Path) -> list[Path]:
-    """The complete checkpoints under ``root`` (those with a manifest), oldest first."""
-    return sorted(p for p in Path(root).glob("step-*") if (p / MANIFEST).is_file())
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+from chimera.checkpoint import (
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    due,
+    identity,
+    layout,
+    partial_dir,
+    prune,
+    read,
+    sha256,
+    step_dir,
+)
+from chimera.job import Job, ResumePoint
 
 
 def _fsync(path: Path) -> None:
@@ -108,53 +60,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def read(path: str | Path) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint at ``path`` (a step directory, or a checkpoint root: its latest) and its verified
-    manifest; :class:`CheckpointError` names a missing, extra or corrupt file."""
-    p = Path(path)
-    if not p.is_dir():
-        raise CheckpointError("no such directory")
-    if not (p / MANIFEST).is_file():
-        found = complete(p)
-        if not found:
-            raise CheckpointError(f"no complete checkpoint in {p} (none has a {MANIFEST}; an interrupted write "
-                                  "leaves none)")
-        p = found[-1]
-    try:
-        manifest = json.loads((p / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{p / MANIFEST} is unreadable: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{p} has checkpoint format {manifest.get('format')}, this chimera reads {FORMAT}")
-    files = manifest["files"]
-    on_disk = {f.name for f in p.iterdir() if f.name != MANIFEST}
-    missing, extra = sorted(set(files) - on_disk), sorted(on_disk - set(files))
-    if missing or extra:
-        raise CheckpointError(f"{p}: files {'missing: ' + str(missing) if missing else ''}"
-                              f"{' unexpected: ' + str(extra) if extra else ''} (not the checkpoint the manifest lists)")
-    for name, digest in sorted(files.items()):
-        if _sha256(p / name) != digest:
-            raise CheckpointError(f"{p / name} is corrupt (its SHA-256 differs from the manifest's); resume from an "
-                                  f"earlier checkpoint: {', '.join(str(c) for c in complete(p.parent) if c != p) or 'none'}")
-    return p, manifest
-
-
-def resume_point(job: Any, path: str) -> ResumePoint:
-    """Verify the checkpoint at ``path`` against ``job``: refused (with what differs) when it is another model,
-    optimizer or seed, or leaves no step to run; a different layout is fine (re-partitioned by layer)."""
-    p, manifest = read(path)
-    want = identity(job)
-    diff = [f"{k}: checkpoint {manifest['identity'].get(k)!r}, this run {v!r}" for k, v in want.items()
-            if manifest["identity"].get(k) != v]
-    if diff:
-        raise CheckpointError(f"{p} was made by another run ({'; '.join(diff)}); resume with the same model, "
-                              "optimizer and seed, or start without --resume")
-    step = manifest["step"]
-    if step >= job.cfg.training.steps:
-        raise CheckpointError(f"{p} has {step} steps done and --steps is {job.cfg.training.steps}; raise --steps")
-    return ResumePoint(str(p.resolve()), step, manifest, manifest["layout"] == layout(job))
 
 
 def _layer_params(stages: Any, keep: Callable[[tuple[str, int]], bool] = lambda key: True
@@ -185,23 +90,21 @@ def load(path: str | Path) -> dict[str, torch.Tensor]:
 class Checkpointer:
     """One worker's side of saving and restoring (module docstring)."""
 
-    def __init__(self, job: Any, rank: int, worker: int, dp_rank: int, stages: Any, device: torch.device) -> None:
+    def __init__(self, job: Job, rank: int, worker: int, dp_rank: int, stages: Any, device: torch.device) -> None:
         self.job, self.rank, self.stages, self.device = job, rank, stages, device
-        t = job.cfg.training
-        self.root, self.every, self.steps = t.checkpoint_dir, t.checkpoint_every, t.steps
+        c = job.checkpoint
+        self.root, self.every, self.steps, self.keep = c.dir, c.every, job.run.steps, c.keep_last
         first_pipe = job.schedule.pipes[0]
         self.owns = lambda key: dp_rank == 0 and key[0] == first_pipe
         self.group = dist.new_group(backend="gloo")  # DCP's collectives, apart from the pipeline's
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.kill_at = t.debug_kill_in_save
+        self.kill_at = c.debug_kill_in_save
 
     # -- saving ------------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
         """Whether the state after ``step`` is saved: every ``--checkpoint-every`` steps, and after the last."""
-        if self.root is None:
-            return False
-        return step == self.steps - 1 or (self.every > 0 and (step + 1) % self.every == 0)
+        return self.root is not None and due(step, self.every, self.steps)
 
     def after_step(self, step: int) -> float:
         """Save the state after ``step`` when due: copy it to the CPU here, write it in a background thread.
@@ -247,7 +150,7 @@ class Checkpointer:
                 return
             if self.kill_at == steps_done - 1:  # fault injection: die with the data written, before the manifest
                 os.kill(os.getpid(), signal.SIGKILL)
-            manifest["files"] = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
+            manifest["files"] = {f.name: sha256(f) for f in sorted(tmp.iterdir())}
             for f in tmp.iterdir():
                 _fsync(f)
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -258,6 +161,7 @@ class Checkpointer:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync(Path(self.root))
+            prune(self.root, self.keep)  # only once the new one is complete: the newest is never deleted
         except BaseException as e:  # raised in the training thread by wait()
             self.error = e
 
@@ -310,23 +214,3 @@ class Checkpointer:
         """Wait for a write in progress (errors are not raised again here)."""
         with contextlib.suppress(Exception):
             self.wait()
-
-
-def check_checkpoints(job: Any) -> Any:
-    """Make the checkpoint paths absolute (workers may run elsewhere) and check a checkpoint to resume from."""
-    t = job.cfg.training
-    if t.checkpoint_dir is None and t.resume is None:
-        return job
-    import dataclasses
-
-    from chimera.validation import ConfigError
-
-    ckpt = os.path.abspath(t.checkpoint_dir) if t.checkpoint_dir else None
-    cfg = dataclasses.replace(job.cfg, training=dataclasses.replace(t, checkpoint_dir=ckpt))
-    job = dataclasses.replace(job, cfg=cfg)
-    if t.resume is None:
-        return job
-    try:
-        return dataclasses.replace(job, resume=resume_point(job, t.resume))
-    except CheckpointError as e:
-        raise ConfigError(f"--resume {t.resume}: {e}") from None

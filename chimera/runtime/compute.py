@@ -26,7 +26,7 @@ from chimera.data import Units
 from chimera.job import Job
 from chimera.microbatch import cat, map_tensors, split
 from chimera.models import StageModule, TensorSpec
-from chimera.runtime.offload import HostStore
+from chimera.offload.store import HostStore
 from chimera.runtime.step_state import Kept, Slot, Stashed, StepState
 from chimera.schedule import Action
 from chimera.schedule.kinds import Msg, Res
@@ -45,7 +45,7 @@ class StageCompute:
         self.dp_rank = dp_rank
         self.device = device
         self.autocast = autocast
-        self.recompute = job.cfg.training.recompute
+        self.recompute = job.run.recompute
         self.keep_saved = keep_saved  # collect autograd's saved tensors for the memory ledger
         # weights offloaded: saved weights become references, resolved against the copy swapped in for the backward
         self.store = store if store is not None and store.offload.weights else None

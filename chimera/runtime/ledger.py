@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from chimera.microbatch import tensors
 from chimera.runtime.step_state import StepState
 
 CATEGORIES = ("params", "optimizer", "grads", "activations", "messages", "sync")
@@ -72,19 +71,8 @@ def _state_tensors(optimizer: torch.optim.Optimizer, of: Callable[[torch.Tensor]
 
 
 def _stash_tensors(st: StepState) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for s in st.stash.values():
-        out += list(s.inputs) + list(s.saved)
-        if isinstance(s.output, torch.Tensor):
-            out.append(s.output)
-        elif isinstance(s.output, tuple):
-            out += [t for t in s.output if isinstance(t, torch.Tensor)]
-        if s.data is not None:
-            out += tensors(s.data)
-    for k in st.wkeep.values():  # what a weight-gradient backward still needs
-        out += k.saved + k.outputs + list(k.grads or [])
-        out += [t for g in k.groups or [] for ts in g.get("grads") or [] for t in ts or () if t is not None]
-    return out
+    """What the step holds for later actions, under every activation resource of the kinds table."""
+    return [t for held in st.held.values() for value in held.values() for t in value.tensors()]
 
 
 def _bytes(ts: Iterable[torch.Tensor], seen: set[int]) -> int:

@@ -2,7 +2,7 @@
 
 Parity tests compare the pipeline runtime against it; it is also a handy baseline::
 
-    ref = train_sequential(cfg)      # ref.losses, ref.params, ref.grad_norms
+    ref = train_sequential(job)      # ref.losses, ref.params, ref.grad_norms
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from typing import NamedTuple
 
 import torch
 
-from chimera.config import TrainConfig
 from chimera.job import Job
 from chimera.models import SequentialModel
 from chimera.optim import build_optimizer, clip_grad_norm_global, warmup_decay_schedule
@@ -26,14 +25,13 @@ class Reference(NamedTuple):
     grad_norms: list[float]
 
 
-def train_sequential(job: Job | TrainConfig, then: tuple[int, Job] | None = None) -> Reference:
+def train_sequential(job: Job, then: tuple[int, Job] | None = None) -> Reference:
     """Train the job's steps on all N x W units of each step with gradient accumulation, in one process.
 
     ``then=(k, other)``: from step ``k`` on, the units of each step are ``other``'s (its N, W and data), as when a
     checkpoint of step ``k`` is resumed with another layout.
     """
-    job = job if isinstance(job, Job) else job.check()
-    t = job.cfg.training
+    t = job.run
     model = SequentialModel(job.chain, t.seed)
     params = list(model.parameters())
     opt = build_optimizer(params, t.optimizer, lr=t.lr, weight_decay=t.weight_decay)

@@ -15,11 +15,10 @@ import torch
 
 from chimera.job import Job
 from chimera.models import StageModule, build_stage
+from chimera.offload.store import HostStore
 from chimera.optim import build_optimizer, clip_grad_norm_global, warmup_decay_schedule
 from chimera.runtime.comm import Communicator
 from chimera.runtime.grad_sync import GradBuckets
-from chimera.runtime.offload import HostStore
-from chimera.schedule import Offload
 
 StageKey = tuple[str, int]
 
@@ -37,13 +36,12 @@ class StageState:
     """The stage replicas of one worker and their optimizer (module docstring)."""
 
     def __init__(self, job: Job, worker: int, dp_rank: int, device: torch.device, comm: Communicator) -> None:
-        cfg, sched = job.cfg.training, job.schedule
+        run, sched, offload = job.run, job.schedule, job.offload
         self.comm = comm
         self.device = device
-        offload = Offload(cfg.offload, cfg.prefetch, cfg.offload_pack)
         # weights offloaded: built in host memory, never whole on the device (the store releases them there)
         self.modules: dict[StageKey, StageModule] = {
-            (pipe, s): build_stage(job.chain, job.stage_layers[s], cfg.seed,
+            (pipe, s): build_stage(job.chain, job.stage_layers[s], run.seed,
                                    device=torch.device("cpu") if offload.weights_at(s) else device)
             for pipe, s in sched.stages_of(worker)}
         # offloaded (per stage, by its policy): the host store holds the current weights (the optimizer steps
@@ -72,11 +70,11 @@ class StageState:
                 self.buckets[(pipe, s)] = GradBuckets(params, comm.stage_groups[s], comm, sched.stage_group(s))
         self.params = [home(p) for p in self.device_params]
         self.norm_params = [home(p) for p in self._norm_params(job, dp_rank)]
-        self.clip = cfg.clip_grad
-        self.optimizer = build_optimizer(self.params, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        self.clip = run.clip_grad
+        self.optimizer = build_optimizer(self.params, run.optimizer, lr=run.lr, weight_decay=run.weight_decay,
                                          host=self.host is not None)
-        self.lr_schedule = warmup_decay_schedule(self.optimizer, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps),
-                                                 cfg.lr_schedule)
+        self.lr_schedule = warmup_decay_schedule(self.optimizer, run.warmup_steps, max(run.steps, run.warmup_steps),
+                                                 run.lr_schedule)
 
     def _norm_params(self, job: Job, dp_rank: int) -> list[torch.nn.Parameter]:
         """The parameters whose squared norm this rank adds to the global norm: one replica of every stage, and a

@@ -1,7 +1,9 @@
 """What one worker holds during one step, under typed keys; made fresh every step, so nothing leaks across steps.
 
-* ``stash[Slot(pipe, stage, microbatch)]``: what a backward needs from its forward (:class:`Stashed`).
-* ``wkeep[Slot]``: what a weight-gradient backward (W) needs from its input-gradient backward (I) (:class:`Kept`).
+* ``held[res][Slot(pipe, stage, microbatch)]``: the activations held for a later action, by the resource of the
+  kinds table that holds them (:data:`~chimera.schedule.kinds.ACTIVATION_MEMORY`): ``stash`` (what a backward
+  needs from its forward, :class:`Stashed`) and ``wkeep`` (what a weight-gradient backward W needs from its
+  input-gradient backward I, :class:`Kept`); each held value lists its tensors for the memory ledger.
 * ``inbox[Msg]``: tensors that arrived for this worker (received, or handed over by a stage on the same worker).
 * ``outbox[Msg]``: tensors waiting for their send action.
 
@@ -16,7 +18,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from chimera.schedule.kinds import Msg
+from chimera.microbatch import tensors
+from chimera.schedule.kinds import ACTIVATION_MEMORY, Msg, Res
 
 
 class Slot(NamedTuple):
@@ -44,6 +47,11 @@ class Stashed:
     rng: Any = None
     saved: list[torch.Tensor] = field(default_factory=list)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor it holds (the memory ledger counts their storages)."""
+        out = list(self.inputs) + list(self.saved) + tensors(self.output)
+        return out + (tensors(self.data) if self.data is not None else [])
+
 
 @dataclass
 class Kept:
@@ -60,6 +68,11 @@ class Kept:
     grads: list[torch.Tensor] | None
     saved: list[torch.Tensor] = field(default_factory=list)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor it holds (the memory ledger counts their storages)."""
+        out = self.saved + self.outputs + list(self.grads or [])
+        return out + [t for g in self.groups or [] for ts in g.get("grads") or [] for t in ts or () if t is not None]
+
 
 @dataclass
 class StepState:
@@ -67,8 +80,7 @@ class StepState:
 
     step: int
     device: torch.device
-    stash: dict[Slot, Stashed] = field(default_factory=dict)
-    wkeep: dict[Slot, Kept] = field(default_factory=dict)
+    held: dict[Res, dict[Slot, Any]] = field(default_factory=lambda: {res: {} for res in ACTIVATION_MEMORY})
     inbox: dict[Msg, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     outbox: dict[Msg, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
@@ -77,3 +89,11 @@ class StepState:
 
     def __post_init__(self) -> None:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    @property
+    def stash(self) -> dict[Slot, Stashed]:
+        return self.held[Res.STASH]
+
+    @property
+    def wkeep(self) -> dict[Slot, Kept]:
+        return self.held[Res.WKEEP]

@@ -4,7 +4,7 @@ Usage (any launcher: Ray actors, ``torch.multiprocessing``, torchrun)::
 
     w = PipelineWorker(job, rank=r, world_size=n, init_method="tcp://10.0.0.1:29500")
     w.setup()
-    for step in range(job.cfg.training.steps):
+    for step in range(job.first_step, job.run.steps):
         result = w.train_step(step)
     w.close()
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,18 +28,19 @@ import torch
 import torch.distributed as dist
 
 from chimera.job import Job
-from chimera.plan.memory import parse_bytes
+from chimera.offload.store import HostStore
 from chimera.runtime.checkpoint import Checkpointer
 from chimera.runtime.comm import CommBatches, Communicator
 from chimera.runtime.compute import StageCompute
-from chimera.runtime.executor import Executor, Handler, segments
-from chimera.runtime.host_memory import StepCollector, keep_freed_memory
+from chimera.runtime.executor import Executor, segments
+from chimera.runtime.handlers import handlers_for, register_handler
 from chimera.runtime.ledger import MemoryLedger
 from chimera.runtime.stage_state import StageState, tied_ranks
 from chimera.runtime.step_state import StepState
 from chimera.schedule import Action, Kind
 from chimera.timeline import Event
 from chimera.timeline.recorder import EventRecorder
+from chimera.util.host_memory import StepCollector, keep_freed_memory
 
 
 @dataclass
@@ -67,7 +69,7 @@ class PipelineWorker:
         if world_size != job.world_size:
             raise ValueError(f"world size {world_size} does not match the job ({job.world_size} workers)")
         self.job = job
-        self.cfg = job.cfg
+        self.run = job.run
         self.rank = rank
         self.world_size = world_size
         self.init_method = init_method
@@ -77,7 +79,7 @@ class PipelineWorker:
 
     def setup(self) -> dict[str, Any]:
         """Join the process group; build the communicator, stage replicas, handlers and executor."""
-        t, sched = self.cfg.training, self.job.schedule
+        t, sched = self.run, self.job.schedule
         if t.device == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError(f"{self.name}: --device cuda but no GPU is visible to this worker")
@@ -85,43 +87,30 @@ class PipelineWorker:
         else:
             self.device = torch.device("cpu")
             keep_freed_memory()
-        torch.set_num_threads(self.cfg.worker_threads(self.world_size))
+        torch.set_num_threads(t.threads)
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=self.init_method,
                                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=t.timeout_s))
-        self.comm = Communicator(sched, self.rank, tied_ranks(self.job), t.timeout_s, self.name,
-                                 self.cfg.profiling.comm_payload)
+        self.comm = Communicator(sched, self.rank, tied_ranks(self.job), t.timeout_s, self.name, t.comm_payload)
         self.stages = StageState(self.job, self.worker, self.dp_rank, self.device, self.comm)
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if t.amp and self.device.type == "cuda"
                     else nullcontext())
-        self.budget = parse_bytes(t.memory_per_worker) if t.memory_per_worker else None
-        account = self.cfg.profiling.memory or self.budget is not None
+        self.budget = self.job.memory_budget
+        account = self.job.timeline.memory or self.budget is not None
         self.compute = StageCompute(self.job, self.stages.modules, self.worker, self.dp_rank, self.device, autocast,
                                     keep_saved=account, store=self.stages.host)
         segs = segments(sched.actions[self.worker])
         self.batches = CommBatches(self.comm, self.job, self.worker, segs, self.device, self._what)
-        handlers: dict[Kind, Handler] = {
-            Kind.F: self.compute.forward,
-            Kind.B: self.compute.backward,
-            Kind.I: self.compute.backward_input,
-            Kind.W: self.compute.backward_weight,
-            Kind.ALLREDUCE_START: lambda a, st: self.stages.buckets[(a.pipe, a.stage)].start(),
-            Kind.ALLREDUCE_WAIT: lambda a, st: self.stages.buckets[(a.pipe, a.stage)].wait(self._what(a, st.step)),
-            Kind.OPTIMIZER_STEP: self._optimizer_step,
-        }
-        if self.stages.host:
-            host = self.stages.host
-            handlers[Kind.SWAP_IN] = lambda a, st: host.swap_in((a.pipe, a.stage))
-            handlers[Kind.SWAP_OUT] = lambda a, st: host.swap_out((a.pipe, a.stage))
-            handlers[Kind.GRAD_OUT] = lambda a, st: host.grads_out((a.pipe, a.stage))
+        handlers = handlers_for(self, {a.kind for a in sched.actions[self.worker]})
         self.executor = Executor(segs, handlers, self.batches, self.name)
         self._seg_starts = [sum(len(x) for x in segs[:k]) for k in range(len(segs))]
         self.step_now = self.job.first_step
         self.failed_step: int | None = None
         self.ledger = MemoryLedger(self.stages, self.batches) if account else None
+        timeline = self.job.timeline
         self.recorder = (EventRecorder(self.rank, self.device, sched.bidirectional)
-                         if self.cfg.profiling.profile or self.cfg.profiling.nsys else None)
+                         if timeline.profile or timeline.nsys else None)
         self.checkpoints = (Checkpointer(self.job, self.rank, self.worker, self.dp_rank, self.stages, self.device)
-                            if t.checkpoint_dir is not None or self.job.resume is not None else None)
+                            if self.job.checkpoint.dir is not None or self.job.resume is not None else None)
         if self.job.resume is not None:
             self.checkpoints.restore(self.job.resume)  # type: ignore[union-attr]
         self.collector = StepCollector(t.python_gc == "step").start()  # last: freezes what set-up built
@@ -144,12 +133,12 @@ class PipelineWorker:
         if self.failed_step is not None:  # a step queued behind a failed one: the process group is broken
             raise RuntimeError(f"{self.name}: step {step} not run, step {self.failed_step} failed")
         self.step_now = step
-        stall = self.cfg.training.debug_stall
+        stall = self.run.debug_stall
         if stall and stall[0] == self.rank:
             time.sleep(stall[1])
         t_start = time.perf_counter()
         st = StepState(step, self.device)
-        rec = self.recorder if (self.recorder and self.cfg.profiles(step)) else None
+        rec = self.recorder if (self.recorder and self.job.timeline.records(step)) else None
         if rec:
             rec.start_step(step)
         self.comm.start_step()
@@ -171,7 +160,7 @@ class PipelineWorker:
         del st  # its garbage goes in this step's collection
         gc_s = self.collector.after_step()
         elapsed = time.perf_counter() - t_start
-        digests = self.stages.digests() if self.cfg.training.check_replicas else {}
+        digests = self.stages.digests() if self.run.check_replicas else {}
         held = self.checkpoints.after_step(step) if self.checkpoints else 0.0
         return StepResult(step, self.rank, loss_sum, loss_count, elapsed, grad_norm, events, digests,
                           self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {},
@@ -197,3 +186,29 @@ class PipelineWorker:
             dist.destroy_process_group()
         if getattr(self, "collector", None) is not None:
             self.collector.close()
+
+
+def _swap(method: str) -> Callable[[PipelineWorker], Callable[[Action, StepState], None]]:
+    """The factory of a swap kind's handler: the host store's ``method`` for the action's stage replica."""
+    def make(worker: PipelineWorker) -> Callable[[Action, StepState], None]:
+        host: HostStore | None = worker.stages.host
+        if host is None:  # pragma: no cover - the compiler lowers swaps only with an offload policy
+            raise RuntimeError(f"{worker.name}: a swap action without --offload")
+        move = getattr(host, method)
+        return lambda a, st: move((a.pipe, a.stage))
+
+    return make
+
+
+# the built-in kinds' handlers (chimera.runtime.handlers): each a factory called once per worker at set-up
+register_handler(Kind.F, lambda w: w.compute.forward)
+register_handler(Kind.B, lambda w: w.compute.backward)
+register_handler(Kind.I, lambda w: w.compute.backward_input)
+register_handler(Kind.W, lambda w: w.compute.backward_weight)
+register_handler(Kind.ALLREDUCE_START, lambda w: lambda a, st: w.stages.buckets[(a.pipe, a.stage)].start())
+register_handler(Kind.ALLREDUCE_WAIT,
+                 lambda w: lambda a, st: w.stages.buckets[(a.pipe, a.stage)].wait(w._what(a, st.step)))
+register_handler(Kind.OPTIMIZER_STEP, lambda w: w._optimizer_step)
+register_handler(Kind.SWAP_IN, _swap("swap_in"))
+register_handler(Kind.SWAP_OUT, _swap("swap_out"))
+register_handler(Kind.GRAD_OUT, _swap("grads_out"))

@@ -16,8 +16,8 @@ backward, the first stage's input-gradient part costs nothing and its weight-gra
 simulator's ``peak_activations``) plus ``weight_memory`` (one share of the model's parameters, gradients and
 optimizer state, in the same unit) times the shares it holds (``Choice.shares``: 1 for 1F1B, 2 for Chimera,
 4 for four-pipe Chimera). 1F1B is always a candidate, so the choice is never slower than 1F1B when 1F1B fits.
-Training's ``auto`` prices the candidates in bytes instead (:func:`chimera.plan.fit.fit_choice`) and marks
-those over the budget with :func:`exclude`.
+Training's ``auto`` prices the candidates in bytes instead (the compiler's memory pass) and marks those over the
+budget with :func:`exclude`. The candidates are the registry's (:func:`chimera.schedule.registry.candidates`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from chimera.schedule.generators import ScheduleConfigError, build_schedule
-from chimera.schedule.ir import Schedule
+from chimera.schedule.ir import Schedule, ScheduleConfigError
+from chimera.schedule.registry import build_schedule, candidates
 from chimera.schedule.simulate import Costs, Num, simulate
 
 
@@ -48,30 +48,6 @@ class Choice:
     shares: Num = 1
     over: str = ""
     schedule: Schedule | None = field(default=None, compare=False, repr=False)
-
-
-def candidates(stages: int, microbatches: int, halving: bool = True) -> list[tuple[str, str, dict[str, Any]]]:
-    """(label, schedule name, build options; ``chunks``: stages per worker and pipe, each 1/chunks of a worker's
-    share) of every schedule that builds for (D, N); ``halving``: include
-    Chimera's backward halving (it needs an even micro-batch size, and pays off only where a unit's cost shrinks
-    with its size, which the simulator assumes)."""
-    out: list[tuple[str, str, dict[str, Any]]] = []
-    for split in (False, True):
-        tail = " --split-backward" if split else ""
-        out.append((f"1f1b{tail}", "1f1b", {"split_backward": split}))
-        if microbatches % stages == 0:
-            out.append((f"interleaved --chunks 2{tail}", "interleaved", {"chunks": 2, "split_backward": split}))
-        if stages % 2 == 0 and microbatches % stages == 0:
-            for mode in ("direct", "doubling", "halving"):
-                if (mode == "doubling" and microbatches % (2 * stages)) or (mode == "halving" and not halving):
-                    continue
-                out.append((f"chimera --mode {mode}{tail}", "chimera", {"mode": mode, "split_backward": split}))
-    out += [("zb-h1", "zb-h1", {"split_backward": True}), ("zb-h2", "zb-h2", {"split_backward": True})]
-    if microbatches % 2 == 0:  # 2D half-size stages
-        out.append(("bitpipe", "bitpipe", {"chunks": 2, "split_backward": True}))
-    if stages % 4 == 0 and microbatches % 4 == 0:  # four pipelines: four stages (4/D of the weights) per worker
-        out.append(("chimera4", "chimera4", {"split_backward": True}))
-    return out
 
 
 def per_stage(costs: Costs, chunks: int) -> Costs:
@@ -97,14 +73,14 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
     """Every candidate simulated with ``costs``; those that fit first, fastest first (then least memory).
     ``layers``: leave out candidates with more stages than the model has layers."""
     out = []
-    for label, name, options in candidates(stages, microbatches, halving):
-        chunks = options.get("chunks", 1)
-        if layers is not None and stages * chunks > layers:
+    for label, spec, options in candidates(stages, microbatches, halving):
+        chunks = spec.chunks_of(options)
+        if layers is not None and spec.parts(stages, options) > layers:
             continue
         split = per_stage(costs, chunks).first_stage_whole_backward(stages * chunks)
         options = {**options, "order_costs": split}  # zero-bubble orders: with the stages' own costs
         try:
-            s = build_schedule(name, stages, microbatches, **options)
+            s = build_schedule(spec.name, stages, microbatches, **options)
         except ScheduleConfigError:
             continue
         r = simulate(s, split)
@@ -112,7 +88,7 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
         shares = _num(Fraction(max(len(s.stages_of(w)) for w in range(s.workers)), chunks))
         need = peak + weight_memory * shares
         over = "" if memory_limit is None or need <= memory_limit else f"needs {float(need):g}"
-        out.append(Choice(label, name, options, r.makespan, r.bubble, peak, not over, shares, over, s))
+        out.append(Choice(label, spec.name, options, r.makespan, r.bubble, peak, not over, shares, over, s))
     return _sorted(out)
 
 
@@ -172,19 +148,3 @@ def table(choice: Choice, ranked: Sequence[Choice]) -> str:
               f"{float(c.shares):>6g}{'' if c.fits else '  over the memory limit: ' + (c.over or '')}"
               for c in ranked]
     return "\n".join([*lines, explain(choice, ranked)])
-
-
-def auto_costs(chain: Any, stages: int, micro_batch_size: int) -> tuple[Costs, bool]:
-    """The costs of one worker's share ``--schedule auto`` simulates with, and whether backward halving is a
-    candidate.
-
-    The delay model's sleeps (tf, tb, tw per block, times the blocks of a share) exactly, without halving (a
-    sleep does not shrink with the micro-batch); any other model F = I = W (a backward twice a forward, half of
-    it weight gradients), with halving where the micro-batch size is even.
-    """
-    seconds = getattr(chain, "block_seconds", None)
-    if seconds is not None:
-        share = Fraction(chain.config.num_blocks, stages)
-        tf, tb, tw = (float(t * share) for t in seconds)
-        return Costs(fwd=tf, bwd=tb, wgrad=tw), False
-    return Costs(fwd=1, bwd=1, wgrad=1), micro_batch_size % 2 == 0

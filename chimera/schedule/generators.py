@@ -15,12 +15,12 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from fractions import Fraction
+from typing import Any
 
 from chimera.schedule.fill import EQUAL, chimera_split, list_schedule, zero_bubble
 from chimera.schedule.ir import DOWN, DOWN2, UP, UP2, Action, B, F, Kind, Schedule, ScheduleConfigError
-from chimera.schedule.lowering import split_backward as split_in_place
+from chimera.schedule.registry import ScheduleSpec, register
 from chimera.schedule.simulate import Costs
 
 
@@ -72,10 +72,9 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int = 2) -> Schedul
     _check_common(stages, microbatches)
     if chunks < 1:
         raise ScheduleConfigError(f"--chunks (v, stages per worker) must be >= 1, got {chunks}")
-    if microbatches % stages:
-        raise ScheduleConfigError(
-            f"interleaved 1F1B needs --micro-batches to be a multiple of --stages ({stages}); got {microbatches}"
-        )
+    why = _interleaved_accepts(stages, microbatches, {})
+    if why:
+        raise ScheduleConfigError(why)
     d, v, n = stages, chunks, microbatches
     total = n * v
 
@@ -209,9 +208,9 @@ def bitpipe(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Sched
     order within that, as at D = 16, N >= 3D).
     """
     _check_common(stages, microbatches)
-    if microbatches % 2:
-        raise ScheduleConfigError(f"bitpipe sends half the micro-batches each way: --micro-batches must be even, got "
-                                  f"{microbatches}")
+    why = _even_microbatches(stages, microbatches, {})
+    if why:
+        raise ScheduleConfigError(why)
     d, parts = stages, 2 * stages
     placement = {(DOWN, s): s if s < d else parts - 1 - s for s in range(parts)}
     placement.update({(UP, s): d - 1 - s if s < d else s - d for s in range(parts)})
@@ -229,9 +228,9 @@ def chimera4(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Sche
     order fits within it).
     """
     _check_common(stages, microbatches)
-    if stages % 4 or microbatches % 4:
-        raise ScheduleConfigError(f"chimera4 runs four pipelines shifted by D/2: --stages and --micro-batches must be "
-                                  f"multiples of 4, got D={stages}, N={microbatches}")
+    why = _four_pipes(stages, microbatches, {})
+    if why:
+        raise ScheduleConfigError(why)
     d, h = stages, stages // 2
     placement: dict[tuple[str, int], int] = {}
     for s in range(d):
@@ -240,6 +239,22 @@ def chimera4(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Sche
 
 
 CHIMERA_MODES = ("direct", "doubling", "halving")
+
+
+def chimera_accepts(stages: int, microbatches: int, options: dict[str, Any]) -> str | None:
+    """Why Chimera cannot be built for (D, N) in ``options["mode"]``, or None."""
+    mode = options.get("mode", "direct")
+    if stages % 2:
+        return f"chimera needs an even number of --stages (D), got {stages}"
+    if mode not in CHIMERA_MODES:
+        return f"unknown chimera mode {mode!r}; allowed: {', '.join(CHIMERA_MODES)}"
+    if microbatches % stages:
+        return f"chimera needs --micro-batches (N) to be a multiple of --stages (D={stages}); got N={microbatches}"
+    if mode == "doubling" and (microbatches // stages) % 2:
+        return (f"chimera --mode doubling needs --micro-batches (N) to be a multiple of 2*D={2 * stages}; got "
+                f"N={microbatches}: use --micro-batches {2 * stages * max(1, -(-microbatches // (2 * stages)))} or "
+                "--mode direct")
+    return None
 
 
 def chimera(stages: int, microbatches: int, mode: str = "direct", split_backward: bool = False,
@@ -265,25 +280,14 @@ def chimera(stages: int, microbatches: int, mode: str = "direct", split_backward
         the backward work per action is halved. Needs N a multiple of D.
     """
     _check_common(stages, microbatches)
-    if stages % 2:
-        raise ScheduleConfigError(f"chimera needs an even number of --stages (D), got {stages}")
-    if mode not in CHIMERA_MODES:
-        raise ScheduleConfigError(f"unknown chimera mode {mode!r}; allowed: {', '.join(CHIMERA_MODES)}")
-    if microbatches % stages:
-        raise ScheduleConfigError(
-            f"chimera needs --micro-batches (N) to be a multiple of --stages (D={stages}); got N={microbatches}"
-        )
+    why = chimera_accepts(stages, microbatches, {"mode": mode})
+    if why:
+        raise ScheduleConfigError(why)
     k = microbatches // stages
     scale = Fraction(1)
     if mode == "direct":
         rows, units_n = _chimera_rows(stages, k, 1), microbatches
     elif mode == "doubling":
-        if k % 2:
-            raise ScheduleConfigError(
-                f"chimera --mode doubling needs --micro-batches (N) to be a multiple of 2*D={2 * stages}; got "
-                f"N={microbatches}: use --micro-batches {2 * stages * max(1, -(-microbatches // (2 * stages)))} or "
-                "--mode direct"
-            )
         rows, units_n = _chimera_rows(stages, k // 2, 2), microbatches
     else:  # with split backward every action runs on one half, forwards too (chimera_split)
         rows, units_n, scale = _chimera_rows(stages, 2 * k if split_backward else k, 1 if split_backward else 2), \
@@ -295,61 +299,51 @@ def chimera(stages: int, microbatches: int, mode: str = "direct", split_backward
     return chimera_split(s, order_costs) if split_backward else s
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved_1f1b,
-    "chimera": chimera,
-    "zb-h1": zb_h1,
-    "zb-h2": zb_h2,
-    "bitpipe": bitpipe,
-    "chimera4": chimera4,
-}
-
-#: schedules whose generator always splits the backward (they have no whole-backward form)
-SPLIT_ONLY = ("zb-h1", "zb-h2", "bitpipe", "chimera4")
-#: schedules that cut the model into D x chunks stages (``chunks`` per worker and pipe)
-CHUNKED = ("interleaved", "bitpipe")
+def _interleaved_accepts(stages: int, microbatches: int, options: dict[str, Any]) -> str | None:
+    if microbatches % stages:
+        return f"interleaved 1F1B needs --micro-batches to be a multiple of --stages ({stages}); got {microbatches}"
+    return None
 
 
-def build_schedule(
-    name: str,
-    stages: int,
-    microbatches: int,
-    *,
-    chunks: int = 2,
-    mode: str = "direct",
-    data_parallel: int = 1,
-    reverse_backward: bool = False,
-    split_backward: bool = False,
-    order_costs: Costs | None = None,
-) -> Schedule:
-    """Build a compute-only schedule by name (``gpipe``, ``1f1b``, ``interleaved``, ``chimera``, ``zb-h1``,
-    ``zb-h2``, ``bitpipe``); ``split_backward``: every backward as its parts I and W (Chimera: W filling its bubbles, see
-    :func:`chimera.schedule.fill.chimera_split`; others: W right after I). ``order_costs``: the F, I and W times
-    the zero-bubble orders are made for (default F = I = W).
+def _even_microbatches(stages: int, microbatches: int, options: dict[str, Any]) -> str | None:
+    if microbatches % 2:
+        return f"bitpipe sends half the micro-batches each way: --micro-batches must be even, got {microbatches}"
+    return None
 
-    Raises :class:`ScheduleConfigError` with a one-line message for unsupported parameters.
-    """
-    key = name.lower().replace("-", "").replace("_", "")
-    aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved1f1b": "interleaved",
-               "chimera": "chimera", "zbh1": "zb-h1", "zbh2": "zb-h2", "bitpipe": "bitpipe",
-               "chimera4": "chimera4"}
-    if key not in aliases:
-        raise ScheduleConfigError(f"unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
-    if data_parallel < 1:
-        raise ScheduleConfigError(f"--data-parallel (W) must be >= 1, got {data_parallel}")
-    key = aliases[key]
-    if key == "gpipe":
-        s = gpipe(stages, microbatches, reverse_backward)
-    elif key == "1f1b":
-        s = one_f_one_b(stages, microbatches)
-    elif key == "interleaved":
-        s = interleaved_1f1b(stages, microbatches, chunks)
-    elif key == "chimera":
-        s = chimera(stages, microbatches, mode, split_backward, order_costs or EQUAL)
-    else:
-        s = SCHEDULES[key](stages, microbatches, order_costs or EQUAL)
-    if split_backward:  # a no-op where the generator split the backward itself
-        s = split_in_place(s)
-    return s.with_data_parallel(data_parallel)
+
+def _four_pipes(stages: int, microbatches: int, options: dict[str, Any]) -> str | None:
+    if stages % 4 or microbatches % 4:
+        return (f"chimera4 runs four pipelines shifted by D/2: --stages and --micro-batches must be multiples of 4, "
+                f"got D={stages}, N={microbatches}")
+    return None
+
+
+def _chimera_fill(stages: int, options: dict[str, Any]) -> float:
+    """The other pipe feeds the far end at once: D/2 - 1 stages; a forward over two units fills with both."""
+    return max(0, stages // 2 - 1) / stages * (1 if options.get("mode", "direct") == "direct" else 2)
+
+
+def _four_way_fill(stages: int, options: dict[str, Any]) -> float:
+    """Pipes start at four workers: D/4 - 1 stages (BitPipe's half stages, more)."""
+    return max(0, stages // 4 - 1) / stages
+
+
+register(ScheduleSpec("gpipe", gpipe, "GPipe: all forwards, then all backwards", backward=(False,), auto=False,
+                      takes=("reverse_backward",)))
+register(ScheduleSpec("1f1b", one_f_one_b, "1F1B (PipeDream-flush): warm-up forwards, then one forward, one "
+                      "backward"))
+register(ScheduleSpec("interleaved", interleaved_1f1b, "interleaved 1F1B: --chunks stages per worker",
+                      aliases=("interleaved1f1b",), accepts=_interleaved_accepts, chunks="option", takes=("chunks",),
+                      fill=lambda d, o: (d - 1) / (d * int(o.get("chunks", 2)))))
+register(ScheduleSpec("chimera", chimera, "Chimera: bidirectional pipelines, two stages per worker",
+                      accepts=chimera_accepts, modes=CHIMERA_MODES, shares=2, fill=_chimera_fill,
+                      takes=("mode", "split_backward", "order_costs")))
+register(ScheduleSpec("zb-h1", zb_h1, "ZB-H1: 1F1B with split backward, weight gradients in its bubbles",
+                      backward=(True,), takes=("order_costs",)))
+register(ScheduleSpec("zb-h2", zb_h2, "ZB-H2: forwards fill the warm-up too (about 2x 1F1B's activations)",
+                      backward=(True,), takes=("order_costs",)))
+register(ScheduleSpec("bitpipe", bitpipe, "BitPipe-style: two V-shaped pipelines of 2D half stages",
+                      accepts=_even_microbatches, backward=(True,), chunks=2, shares=2, fill=_four_way_fill,
+                      takes=("order_costs",)))
+register(ScheduleSpec("chimera4", chimera4, "Chimera with four pipelines (4/D of the model per worker)",
+                      accepts=_four_pipes, backward=(True,), shares=4, fill=_four_way_fill, takes=("order_costs",)))

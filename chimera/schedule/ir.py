@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property
 
-from chimera.schedule.kinds import KIND_OF_CODE, SPECS, Address, Kind
+from chimera.schedule.kinds import KIND_OF_CODE, SPECS, VERSION, Address, Kind
 
 DOWN = "down"
 UP = "up"
@@ -48,9 +48,18 @@ def _codes(address: Address) -> str:
     return "|".join(sorted((s.code for s in SPECS.values() if s.address is address), key=len, reverse=True))
 
 
-_MB_RE = re.compile(rf"^([{_PREFIXES}]?)(\d+)({_codes(Address.MICROBATCH)})(\d+)(?:-(\d+))?$")
-_STAGE_RE = re.compile(rf"^([{_PREFIXES}]?)(\d+)({_codes(Address.STAGE)})$")
-_NONE_CODES = {s.code: k for k, s in SPECS.items() if s.address is Address.NONE}
+_PATTERNS: dict[int, tuple[re.Pattern[str], re.Pattern[str], dict[str, Kind]]] = {}
+
+
+def _patterns() -> tuple[re.Pattern[str], re.Pattern[str], dict[str, Kind]]:
+    """The text form's patterns, made from the kinds table as it is now (a registered kind joins them)."""
+    v = VERSION[0]
+    if v not in _PATTERNS:
+        _PATTERNS.clear()
+        _PATTERNS[v] = (re.compile(rf"^([{_PREFIXES}]?)(\d+)({_codes(Address.MICROBATCH)})(\d+)(?:-(\d+))?$"),
+                        re.compile(rf"^([{_PREFIXES}]?)(\d+)({_codes(Address.STAGE)})$"),
+                        {s.code: k for k, s in SPECS.items() if s.address is Address.NONE})
+    return _PATTERNS[v]
 
 
 class ScheduleConfigError(ValueError):
@@ -95,16 +104,17 @@ class Action:
     def parse(text: str) -> Action:
         """Parse the compact text form; a missing pipe prefix means the down pipe."""
         t = text.strip()
-        if t in _NONE_CODES:
-            return Action(_NONE_CODES[t])
-        m = _MB_RE.match(t)
+        mb_re, stage_re, none_codes = _patterns()
+        if t in none_codes:
+            return Action(none_codes[t])
+        m = mb_re.match(t)
         if m:
             pre, stage, code, mb, last = m.groups()
             count = 1 if last is None else int(last) - int(mb) + 1
             if count < 1:
                 raise ValueError(f"bad micro-batch range in action {text!r}")
             return Action(KIND_OF_CODE[code], PREFIX_PIPE.get(pre, DOWN), int(stage), int(mb), count)
-        m = _STAGE_RE.match(t)
+        m = stage_re.match(t)
         if m:
             pre, stage, code = m.groups()
             return Action(KIND_OF_CODE[code], PREFIX_PIPE.get(pre, DOWN), int(stage))

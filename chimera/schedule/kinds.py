@@ -25,35 +25,55 @@ forward of stage s consumes ``Use(ACT, -1)``, the activation made by stage s-1. 
 lies outside the pipe comes from the data (stage 0's input) or from the loss (the last stage's output
 gradient). A send carries a resource to the neighbour ``peer`` stages away, a receive takes it from there.
 
-Adding a kind: one row in :data:`SPECS`, one worker handler (``chimera.runtime.executor``), one cost field
-(:class:`chimera.schedule.simulate.Costs`). A kind without a row is refused at import; a kind the worker
-has no handler for is refused before the first step.
+Adding a kind: one :func:`register_kind` call with its row (what it consumes and produces, its role, its device-
+memory effect, its display family, the cost field it charges), one worker handler
+(``chimera.runtime.handlers.register_handler``) and, where it needs a new one, one cost field
+(:class:`chimera.schedule.simulate.Costs`). A kind's value is its text code (``F``, ``SEND_F``, ``AR_START``,
+``OPT``): the same name in the text form, the JSON form, the timeline and the docs. A kind travels with its row
+when pickled, so a worker knows a kind registered only where the job was compiled; a kind the worker has no handler
+for is refused before the first step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
-from typing import NamedTuple
+from enum import Enum, StrEnum
+from typing import Any, NamedTuple
 
 
-class Kind(str, Enum):
-    """What an action does (its row in :data:`SPECS` says how)."""
+class Kind(str):
+    """What an action does: its text code; its row in :data:`SPECS` says how. The built-in kinds are attributes
+    (``Kind.F``, ``Kind.SEND_ACT``); ``Kind("SEND_F")`` looks one up by its code."""
 
-    F = "F"
-    B = "B"
-    I = "I"  # noqa: E741 - torch.distributed.pipelining's code for the input-gradient backward
-    W = "W"
-    SEND_ACT = "SEND_ACT"
-    RECV_ACT = "RECV_ACT"
-    SEND_GRAD = "SEND_GRAD"
-    RECV_GRAD = "RECV_GRAD"
-    ALLREDUCE_START = "ALLREDUCE_START"
-    ALLREDUCE_WAIT = "ALLREDUCE_WAIT"
-    OPTIMIZER_STEP = "OPTIMIZER_STEP"
-    SWAP_IN = "SWAP_IN"
-    SWAP_OUT = "SWAP_OUT"
-    GRAD_OUT = "GRAD_OUT"
+    __slots__ = ()
+
+    def __new__(cls, value: str) -> Kind:
+        kind = _BY_CODE.get(value) or _BY_CODE.get(_LEGACY.get(value, ""))
+        if kind is None:
+            raise ValueError(f"unknown action kind {value!r}; known: {', '.join(_BY_CODE)}")
+        return kind
+
+    @property
+    def value(self) -> str:
+        """The text code."""
+        return str.__str__(self)
+
+    @property
+    def name(self) -> str:
+        """The attribute name (``SEND_ACT`` for ``SEND_F``)."""
+        return _NAMES[self]
+
+    def __repr__(self) -> str:
+        return f"Kind.{self.name}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore, (self.name, SPECS[self]))
+
+    def __copy__(self) -> Kind:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Kind:
+        return self
 
     @property
     def spec(self) -> KindSpec:
@@ -71,6 +91,22 @@ class Kind(str, Enum):
     def is_send(self) -> bool:
         return SPECS[self].role is Role.SEND
 
+    # the built-in kinds (assigned by register_kind below)
+    F: Kind
+    B: Kind
+    I: Kind  # noqa: E741 - torch.distributed.pipelining's code for the input-gradient backward
+    W: Kind
+    SEND_ACT: Kind
+    RECV_ACT: Kind
+    SEND_GRAD: Kind
+    RECV_GRAD: Kind
+    ALLREDUCE_START: Kind
+    ALLREDUCE_WAIT: Kind
+    OPTIMIZER_STEP: Kind
+    SWAP_IN: Kind
+    SWAP_OUT: Kind
+    GRAD_OUT: Kind
+
 
 class Role(Enum):
     """How replay and the runtime execute a kind."""
@@ -85,7 +121,7 @@ class Role(Enum):
     PREFETCH = "prefetch"  # starts a host -> device copy of a stage's weights; its next compute waits for it
 
 
-class Res(str, Enum):
+class Res(StrEnum):
     """Resources that actions consume, produce and release (module docstring)."""
 
     ACT = "act"
@@ -112,6 +148,28 @@ class Use:
 
 
 @dataclass(frozen=True)
+class Memory:
+    """What an action does to the device memory of its stage replica's worker; the memory model
+    (``chimera.plan.memory``) walks these and the runtime's ledger measures what they predict. Activation units
+    held follow from the resources a kind produces and releases (:data:`ACTIVATION_MEMORY`).
+
+    Attributes:
+        grads: the stage's weight gradients are allocated (True) or leave the device (False).
+        flat: the stage's flat gradient-sum buffer is allocated until the optimizer step.
+        resident: the stage's weights come onto the device (True) or leave it (False).
+        transient: held only while it runs: ``out`` (its outgoing message), ``in`` (an incoming one),
+            ``recompute`` (a recomputing backward's whole stash), ``pack`` (weights streamed in packs).
+        peak: the state while it runs can be the worker's peak.
+    """
+
+    grads: bool | None = None
+    flat: bool = False
+    resident: bool | None = None
+    transient: tuple[str, ...] = ()
+    peak: bool = False
+
+
+@dataclass(frozen=True)
 class KindSpec:
     """One row of the table.
 
@@ -131,6 +189,11 @@ class KindSpec:
         busy: for a communication kind, the :class:`~chimera.schedule.simulate.Costs` field of the worker time it
             takes (posting and completing a message, packing and unpacking a gradient sum) beside the delay that
             ``cost`` names.
+        memory: its device-memory effect (:class:`Memory`).
+        family: how timelines draw it (``forward``, ``backward``, ``weight``, ``message``, ``sync``, ``update``,
+            ``swap-in``, ``swap-out``, ``grad-out``; another name gets a neutral colour).
+        module: the module that registers the kind and its worker handler (a worker imports it when it meets the
+            kind without a handler); empty for the built-in kinds.
     """
 
     name: str
@@ -146,58 +209,111 @@ class KindSpec:
     cost: str | tuple[str, ...] | None = None
     part_of: Kind | None = None
     busy: str | None = None
+    memory: Memory = Memory()
+    family: str = "other"
+    module: str = ""
 
 
-SPECS: dict[Kind, KindSpec] = {
-    Kind.F: KindSpec("forward", "F", Role.COMPUTE, consumes=(Use(Res.ACT, -1),), produces=(Res.ACT, Res.STASH), once=True,
-                     cost="fwd"),
-    Kind.B: KindSpec("backward", "B", Role.COMPUTE, consumes=(Use(Res.STASH), Use(Res.GRAD, +1)), produces=(Res.GRAD, Res.WGRAD),
-                     releases=(Res.STASH,), once=True, cost=("bwd", "wgrad")),
-    Kind.I: KindSpec("input-gradient backward", "I", Role.COMPUTE, consumes=(Use(Res.STASH), Use(Res.GRAD, +1)),
-                     produces=(Res.GRAD, Res.WKEEP), releases=(Res.STASH,), once=True, cost="bwd", part_of=Kind.B),
-    Kind.W: KindSpec("weight-gradient backward", "W", Role.COMPUTE, consumes=(Use(Res.WKEEP),), produces=(Res.WGRAD,),
-                     releases=(Res.WKEEP,), once=True, cost="wgrad", part_of=Kind.B),
-    Kind.SEND_ACT: KindSpec("activation send", "SEND_F", Role.SEND, carries=Res.ACT, peer=+1, cost="message",
-                            busy="p2p_busy"),
-    Kind.RECV_ACT: KindSpec("activation receive", "RECV_F", Role.RECV, carries=Res.ACT, peer=-1, cost="message",
-                            busy="p2p_busy"),
-    Kind.SEND_GRAD: KindSpec("gradient send", "SEND_B", Role.SEND, carries=Res.GRAD, peer=-1, cost="message",
-                             busy="p2p_busy"),
-    Kind.RECV_GRAD: KindSpec("gradient receive", "RECV_B", Role.RECV, carries=Res.GRAD, peer=+1, cost="message",
-                             busy="p2p_busy"),
-    Kind.ALLREDUCE_START: KindSpec("gradient allreduce start", "AR_START", Role.SYNC_START, Address.STAGE, consumes=(Use(Res.WGRAD),),
-                                   cost="allreduce", busy="sync_start"),
-    Kind.ALLREDUCE_WAIT: KindSpec("gradient allreduce wait", "AR_WAIT", Role.SYNC_WAIT, Address.STAGE,
-                                  busy="sync_wait"),
-    Kind.OPTIMIZER_STEP: KindSpec("optimizer step", "OPT", Role.UPDATE, Address.NONE, cost="optimizer"),
-    # offload (chimera.schedule.lowering.add_offload): the host holds the current weights, so a swap-out only
-    # releases the device copy; gradients move out and are summed on the host
-    Kind.SWAP_IN: KindSpec("weights swap-in", "SWAP_IN", Role.PREFETCH, Address.STAGE, cost="swap_in"),
-    Kind.SWAP_OUT: KindSpec("weights swap-out", "SWAP_OUT", Role.COPY, Address.STAGE),
-    Kind.GRAD_OUT: KindSpec("gradients swap-out", "GRAD_OUT", Role.COPY, Address.STAGE, cost="swap_out"),
-}
-
-missing = [k for k in Kind if k not in SPECS]
-if missing:  # pragma: no cover - a developer error, caught at import
-    raise RuntimeError(f"action kinds without a row in chimera.schedule.kinds.SPECS: {missing}")
-
+SPECS: dict[Kind, KindSpec] = {}
 #: resources that hold a micro-batch's activations (the simulator's peak activation memory counts them)
 ACTIVATION_MEMORY: tuple[Res, ...] = (Res.STASH, Res.WKEEP)
 #: a once kind -> the kinds that are its parts (B -> I, W)
-PARTS: dict[Kind, tuple[Kind, ...]] = {
-    whole: tuple(k for k, s in SPECS.items() if s.part_of is whole) for whole in {s.part_of for s in SPECS.values()}
-    if whole is not None
-}
-
-KIND_OF_CODE: dict[str, Kind] = {spec.code: kind for kind, spec in SPECS.items()}
+PARTS: dict[Kind, tuple[Kind, ...]] = {}
+KIND_OF_CODE: dict[str, Kind] = {}
 #: resource -> (the kind that sends it, the kind that receives it)
-TRANSFER: dict[Res, tuple[Kind, Kind]] = {
-    spec.carries: (kind, next(k for k, s in SPECS.items() if s.role is Role.RECV and s.carries is spec.carries))
-    for kind, spec in SPECS.items() if spec.role is Role.SEND and spec.carries is not None
-}
-for _res, (_send, _recv) in TRANSFER.items():  # a receive takes from where the matching send puts
-    if SPECS[_send].peer != -SPECS[_recv].peer:  # pragma: no cover - developer error
-        raise RuntimeError(f"{_send} and {_recv} disagree on the neighbour stage")
+TRANSFER: dict[Res, tuple[Kind, Kind]] = {}
+_BY_CODE = KIND_OF_CODE
+_NAMES: dict[Kind, str] = {}
+_LEGACY: dict[str, str] = {}  # attribute names as codes (JSON written before the codes were the names)
+#: bumped by every registration: caches derived from the table (text patterns) check it
+VERSION = [0]
+
+
+def _derive() -> None:
+    """The tables derived from :data:`SPECS`, recomputed in place."""
+    PARTS.clear()
+    for whole in {s.part_of for s in SPECS.values() if s.part_of is not None}:
+        PARTS[whole] = tuple(k for k, s in SPECS.items() if s.part_of is whole)
+    TRANSFER.clear()
+    for kind, spec in SPECS.items():
+        if spec.role is Role.SEND and spec.carries is not None:
+            recv = next((k for k, s in SPECS.items() if s.role is Role.RECV and s.carries is spec.carries), None)
+            if recv is not None:
+                if SPECS[recv].peer != -spec.peer:
+                    raise ValueError(f"{kind} and {recv} disagree on the neighbour stage")
+                TRANSFER[spec.carries] = (kind, recv)
+    VERSION[0] += 1
+
+
+def register_kind(name: str, spec: KindSpec) -> Kind:
+    """Add an action kind (``Kind.<name>``, value ``spec.code``) with its row; returns it. Registering the same
+    row again returns the kind; another row under a taken name or code is refused."""
+    have = _BY_CODE.get(spec.code)
+    if have is not None:
+        if SPECS[have] == spec and _NAMES[have] == name:
+            return have
+        raise ValueError(f"action kind code {spec.code!r} is taken by Kind.{_NAMES[have]}")
+    if name in _NAMES.values() or not name.isidentifier():
+        raise ValueError(f"action kind name {name!r} is taken or not an identifier")
+    kind = str.__new__(Kind, spec.code)
+    setattr(Kind, name, kind)
+    _NAMES[kind] = name
+    _BY_CODE[spec.code] = kind
+    if name != spec.code:
+        _LEGACY[name] = spec.code
+    SPECS[kind] = spec
+    _derive()
+    return kind
+
+
+def _restore(name: str, spec: KindSpec) -> Kind:
+    """Unpickling: the kind of that code, registered from its row where this process lacks it."""
+    return _BY_CODE.get(spec.code) or register_kind(name, spec)
+
+
+_COMPUTE_MEMORY = Memory(grads=True, transient=("recompute", "out", "in", "pack"), peak=True)
+register_kind("F", KindSpec("forward", "F", Role.COMPUTE, consumes=(Use(Res.ACT, -1),), produces=(Res.ACT, Res.STASH),
+                            once=True, cost="fwd", memory=Memory(transient=("out", "pack"), peak=True),
+                            family="forward"))
+register_kind("B", KindSpec("backward", "B", Role.COMPUTE, consumes=(Use(Res.STASH), Use(Res.GRAD, +1)),
+                            produces=(Res.GRAD, Res.WGRAD), releases=(Res.STASH,), once=True, cost=("bwd", "wgrad"),
+                            memory=_COMPUTE_MEMORY, family="backward"))
+register_kind("I", KindSpec("input-gradient backward", "I", Role.COMPUTE, consumes=(Use(Res.STASH), Use(Res.GRAD, +1)),
+                            produces=(Res.GRAD, Res.WKEEP), releases=(Res.STASH,), once=True, cost="bwd",
+                            part_of=Kind.B, memory=_COMPUTE_MEMORY, family="backward"))
+register_kind("W", KindSpec("weight-gradient backward", "W", Role.COMPUTE, consumes=(Use(Res.WKEEP),),
+                            produces=(Res.WGRAD,), releases=(Res.WKEEP,), once=True, cost="wgrad", part_of=Kind.B,
+                            family="weight"))
+register_kind("SEND_ACT", KindSpec("activation send", "SEND_F", Role.SEND, carries=Res.ACT, peer=+1, cost="message",
+                                   busy="p2p_busy", family="message"))
+register_kind("RECV_ACT", KindSpec("activation receive", "RECV_F", Role.RECV, carries=Res.ACT, peer=-1,
+                                   cost="message", busy="p2p_busy", family="message"))
+register_kind("SEND_GRAD", KindSpec("gradient send", "SEND_B", Role.SEND, carries=Res.GRAD, peer=-1, cost="message",
+                                    busy="p2p_busy", family="message"))
+register_kind("RECV_GRAD", KindSpec("gradient receive", "RECV_B", Role.RECV, carries=Res.GRAD, peer=+1,
+                                    cost="message", busy="p2p_busy", family="message"))
+register_kind("ALLREDUCE_START", KindSpec("gradient allreduce start", "AR_START", Role.SYNC_START, Address.STAGE,
+                                          consumes=(Use(Res.WGRAD),), cost="allreduce", busy="sync_start",
+                                          memory=Memory(flat=True, peak=True), family="sync"))
+register_kind("ALLREDUCE_WAIT", KindSpec("gradient allreduce wait", "AR_WAIT", Role.SYNC_WAIT, Address.STAGE,
+                                         busy="sync_wait", family="sync"))
+register_kind("OPTIMIZER_STEP", KindSpec("optimizer step", "OPT", Role.UPDATE, Address.NONE, cost="optimizer",
+                                         family="update"))
+# offload (chimera.offload.lowering): the host holds the current weights, so a swap-out only releases the device
+# copy; gradients move out and are summed on the host
+register_kind("SWAP_IN", KindSpec("weights swap-in", "SWAP_IN", Role.PREFETCH, Address.STAGE, cost="swap_in",
+                                  memory=Memory(resident=True, peak=True), family="swap-in"))
+register_kind("SWAP_OUT", KindSpec("weights swap-out", "SWAP_OUT", Role.COPY, Address.STAGE,
+                                   memory=Memory(resident=False), family="swap-out"))
+register_kind("GRAD_OUT", KindSpec("gradients swap-out", "GRAD_OUT", Role.COPY, Address.STAGE, cost="swap_out",
+                                   memory=Memory(grads=False), family="grad-out"))
+
+
+def activation_change(kind: Kind) -> int:
+    """Activation units an action of ``kind`` adds (+) or releases (-) per micro-batch, from what it produces and
+    releases."""
+    spec = SPECS[kind]
+    return sum(r in ACTIVATION_MEMORY for r in spec.produces) - sum(r in ACTIVATION_MEMORY for r in spec.releases)
 
 
 class Msg(NamedTuple):

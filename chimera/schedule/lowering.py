@@ -10,16 +10,12 @@ Each pass takes and returns a :class:`Schedule`; :func:`lower` applies them in o
   worker (after the communication batch that follows it, so that a batch is never split), ALLREDUCE_WAIT for every started stage at the end. Only where
   the stage group (all replicas over both pipes and W groups) has more than one member.
 * :func:`add_optimizer_step`: OPTIMIZER_STEP as the last action of every worker.
-* :func:`add_offload`: the swap actions of an :class:`Offload` policy (weights in before they are used,
-  ``prefetch`` compute actions ahead, and out after; gradients out after every backward or before the step).
 
 :func:`split_backward` (an option, not part of :func:`lower`) replaces every full backward B by its
 input-gradient part I and its weight-gradient part W; the allreduce of a stage then starts after its last W.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from chimera.schedule.ir import Action, Schedule, _replace
 from chimera.schedule.kinds import PARTS, SPECS, TRANSFER, Kind, Res, Role, neighbour
@@ -92,145 +88,10 @@ def add_optimizer_step(schedule: Schedule) -> Schedule:
     return _replace(schedule, actions=[[*row, Action(Kind.OPTIMIZER_STEP)] for row in schedule.actions], lowered=True)
 
 
-OFFLOAD_POLICIES = ("none", "optimizer", "optimizer+gradients", "everything")
-
-
-@dataclass(frozen=True)
-class Offload:
-    """What lives in host memory instead of on the device, per stage, and how far ahead weights are swapped in.
-
-    ``policy``: one of :data:`OFFLOAD_POLICIES` for every stage, or one per stage (a tuple, or the flag's comma
-    list ``"everything,optimizer,none,none"``). ``optimizer``: the optimizer state (and the step, on the host's
-    copy of the weights); ``optimizer+gradients``: also the gradients (moved out after every backward, summed
-    on the host); ``everything``: also the weights, on the device only from their swap-in, ``prefetch`` compute
-    actions before they are used, until the last of those uses. Both replicas of a stage (Chimera's two pipes)
-    follow that stage's policy. ``pack`` (weights offloaded): a stage's weights move in packs of that many
-    consecutive layers inside each of its forwards and backwards (the current pack and the prefetched next one
-    on the device), so the schedule has no SWAP_IN/SWAP_OUT for such a stage: its swaps are part of its compute
-    actions, in their cost (``chimera.plan.costs``) and their memory (``chimera.plan.memory``). 0: whole stages.
-    """
-
-    policy: str | tuple[str, ...] = "none"
-    prefetch: int = 1
-    pack: int = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.policy, str) and "," in self.policy:
-            object.__setattr__(self, "policy", tuple(p.strip() for p in self.policy.split(",")))
-        bad = [p for p in self.policies if p not in OFFLOAD_POLICIES]
-        if bad:
-            raise ValueError(f"offload policy must be one of {', '.join(OFFLOAD_POLICIES)} (one for all stages, or "
-                             f"a comma list with one per stage), got {', '.join(map(repr, bad))}")
-        if self.prefetch < 0:
-            raise ValueError(f"prefetch depth must be >= 0, got {self.prefetch}")
-        if self.pack < 0:
-            raise ValueError(f"pack size must be >= 0 layers (0: whole stages), got {self.pack}")
-
-    @property
-    def policies(self) -> tuple[str, ...]:
-        """The policy, or the per-stage policies, as a tuple."""
-        return (self.policy,) if isinstance(self.policy, str) else self.policy
-
-    @property
-    def text(self) -> str:
-        """The flag's form: ``everything`` or ``everything,none``."""
-        return ",".join(self.policies)
-
-    def check(self, stages: int) -> None:
-        """ValueError unless the policy is one for all stages or one per each of ``stages`` stages."""
-        if len(self.policies) not in (1, stages):
-            raise ValueError(f"the offload policy lists {len(self.policies)} policies ({self.text}) for a pipeline "
-                             f"of {stages} stages: give one policy for all stages or exactly {stages}, one per stage")
-
-    def at(self, stage: int) -> str:
-        """Stage ``stage``'s policy."""
-        return self.policy if isinstance(self.policy, str) else self.policy[stage]
-
-    def optimizer_at(self, stage: int) -> bool:
-        return self.at(stage) != "none"
-
-    def gradients_at(self, stage: int) -> bool:
-        return self.at(stage) in ("optimizer+gradients", "everything")
-
-    def weights_at(self, stage: int) -> bool:
-        return self.at(stage) == "everything"
-
-    def packed_at(self, stage: int) -> bool:
-        """Stage ``stage``'s weights move in packs inside its compute actions (no swap actions of its own)."""
-        return self.pack > 0 and self.weights_at(stage)
-
-    @property
-    def optimizer(self) -> bool:
-        """Some stage keeps its optimizer state on the host."""
-        return any(p != "none" for p in self.policies)
-
-    @property
-    def gradients(self) -> bool:
-        """Some stage offloads its gradients."""
-        return any(p in ("optimizer+gradients", "everything") for p in self.policies)
-
-    @property
-    def weights(self) -> bool:
-        """Some stage offloads its weights."""
-        return "everything" in self.policies
-
-
-def add_offload(schedule: Schedule, offload: Offload) -> Schedule:
-    """Insert the swap actions of ``offload`` into a lowered schedule (after :func:`add_optimizer_step`), each
-    stage replica by its stage's policy (none: no swap action).
-
-    Gradients offloaded: GRAD_OUT right after every backward (so before its stage's gradient sum starts), else
-    GRAD_OUT of every stage replica before the optimizer step. Weights kept on the device: SWAP_IN of every
-    stage replica (the updated weights) after the optimizer step. Weights offloaded: before compute action n
-    (and its receives), SWAP_IN of the stages that actions
-    n..n+prefetch use and the device lacks; right after it, SWAP_OUT of its stage unless one of the
-    next ``max(1, prefetch)`` compute actions uses it.
-    """
-    offload.check(schedule.stages)
-    if not offload.optimizer:
-        return schedule
-    return _replace(schedule, actions=[_offload_row(row, offload) for row in schedule.actions])
-
-
-def _offload_row(row: tuple[Action, ...], offload: Offload) -> list[Action]:
-    compute = [i for i, a in enumerate(row) if a.kind.is_compute]
-    uses = [(row[i].pipe, row[i].stage) for i in compute]
-    before: dict[int, list[Action]] = {}
-    after: dict[int, list[Action]] = {}
-    resident: set[tuple[str, int]] = set()
-    for n, i in enumerate(compute):
-        start = i
-        while start > 0 and row[start - 1].kind.is_p2p:
-            start -= 1  # before the receives: never split a communication batch
-        end = i + 1  # right after the compute: its sends may share a batch with the next one's receives
-        for key in uses[n:n + offload.prefetch + 1]:
-            if offload.weights_at(key[1]) and not offload.packed_at(key[1]) and key not in resident:
-                resident.add(key)
-                before.setdefault(start, []).append(Action(Kind.SWAP_IN, *key))
-        a = row[i]
-        if offload.gradients_at(a.stage) and Res.WGRAD in SPECS[a.kind].produces:
-            after.setdefault(end, []).append(Action(Kind.GRAD_OUT, a.pipe, a.stage))
-        swapped = offload.weights_at(a.stage) and not offload.packed_at(a.stage)
-        if swapped and uses[n] not in uses[n + 1:n + max(1, offload.prefetch) + 1]:
-            resident.discard(uses[n])
-            after.setdefault(end, []).append(Action(Kind.SWAP_OUT, *uses[n]))
-    out: list[Action] = []
-    for i, a in enumerate(row):
-        out += after.get(i, []) + before.get(i, [])
-        if a.kind is Kind.OPTIMIZER_STEP:  # the step runs on the host's copies
-            held = [(p, s) for p, s in sorted(dict.fromkeys(uses)) if offload.optimizer_at(s)]
-            out += [Action(Kind.GRAD_OUT, p, s) for p, s in held if not offload.gradients_at(s)]
-            out += [a] + [Action(Kind.SWAP_IN, p, s) for p, s in held if not offload.weights_at(s)]
-            continue
-        out.append(a)
-    out += after.get(len(row), [])
-    return out
-
-
-def lower(schedule: Schedule, offload: Offload | None = None) -> Schedule:
-    """Apply all lowering passes: p2p, gradient sync, optimizer step, and the swaps of ``offload`` if given."""
-    lowered = add_optimizer_step(add_grad_sync(add_p2p(schedule)))
-    return add_offload(lowered, offload) if offload is not None else lowered
+def lower(schedule: Schedule) -> Schedule:
+    """Apply the lowering passes: p2p, gradient sync, optimizer step (offload adds its swaps after them:
+    :func:`chimera.offload.lowering.lower`)."""
+    return add_optimizer_step(add_grad_sync(add_p2p(schedule)))
 
 
 def split_backward(schedule: Schedule) -> Schedule:

@@ -19,9 +19,9 @@ It runs every worker's list in order, as the runtime would, and times each actio
   its busy time (unpacking the sum).
 
 Whether an action can run depends on which actions have run, never on when, so a schedule is replayed
-once without times into a :class:`Plan`: the order in which the actions ran, and for each action the
+once without times into a :class:`Replay`: the order in which the actions ran, and for each action the
 actions it waits for (with the delay slot it pays on top: a message, an allreduce). Timing the plan with
-costs is then one pass over that order (:meth:`Plan.times`), as often as needed. Workers that cannot finish
+costs is then one pass over that order (:meth:`Replay.times`), as often as needed. Workers that cannot finish
 are reported as ``stuck`` with the reason, which the validator turns into the step x worker grid.
 """
 
@@ -45,7 +45,7 @@ def message_key(a: Action, place: dict[tuple[str, int], int]) -> tuple[Msg, int]
     return msg, place[(a.pipe, peer)]
 
 
-class Plan:
+class Replay:
     """A schedule replayed once without times: what runs in which order, and what each action waits for.
 
     Action ``schedule.actions[w][i]`` has the flat index ``bounds[w] + i``. Delay slot 0 is free, slot
@@ -130,7 +130,7 @@ Deps = tuple[tuple[int, int], ...]
 
 
 class _Build:
-    """The replay without times behind :class:`Plan`; one method per role of the kinds table.
+    """The replay without times behind :class:`Replay`; one method per role of the kinds table.
 
     A role's method returns what the action waits for, as ``(flat index, delay slot)`` pairs, and its
     duration slot; or None when it has to wait (the worker is woken when what it blocks on is made).

@@ -31,7 +31,7 @@ from typing import Any
 from chimera.schedule.ir import Action, Schedule
 from chimera.schedule.kinds import ACTIVATION_MEMORY, SPECS, Address, Msg, Res, Role
 from chimera.schedule.kinds import message as message_of
-from chimera.schedule.replay import Plan
+from chimera.schedule.replay import Replay
 from chimera.schedule.validate import ScheduleError, format_grid
 
 Num = Any  # int, float or Fraction
@@ -193,16 +193,16 @@ def peak_activations(schedule: Schedule) -> list[Num]:
     return out
 
 
-_PREPARED: dict[int, tuple[Plan, list[Num]]] = {}  # id(schedule) -> its plan and peaks, dropped with the schedule
+_PREPARED: dict[int, tuple[Replay, list[Num]]] = {}  # id(schedule) -> its plan and peaks, dropped with the schedule
 
 
-def _prepare(schedule: Schedule) -> tuple[Plan, list[Num]]:
+def _prepare(schedule: Schedule) -> tuple[Replay, list[Num]]:
     # Keyed by id, not stored on the instance: a Schedule travels pickled (chimera.job.Job) and must stay small.
     # The finalizer drops the entry before the id can be reused.
     key = id(schedule)
     hit = _PREPARED.get(key)
     if hit is None:
-        plan = Plan(schedule)
+        plan = Replay(schedule)
         if plan.stuck:
             marks = {w: i for w, (i, _) in plan.stuck.items()}
             why = "; ".join(f"worker {w} at step {i}: {m}" for w, (i, m) in sorted(plan.stuck.items()))

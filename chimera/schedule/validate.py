@@ -8,7 +8,7 @@ Checks, in order:
 3. (lowered) every send has exactly one matching receive on the right peer, and on every channel
    (sender, receiver, pipe) the sends and the receives come in the same order (NCCL matches p2p
    messages in posting order);
-4. the lists run to completion with :class:`chimera.schedule.replay.Plan` (a compute-only schedule is
+4. the lists run to completion with :class:`chimera.schedule.replay.Replay` (a compute-only schedule is
    lowered first): blocking receives, non-blocking sends, allreduce waits that need every replica.
 
 A failure raises :class:`ScheduleError`, whose message holds the step x worker grid with the offending
@@ -21,7 +21,7 @@ from collections import Counter, defaultdict
 
 from chimera.schedule.ir import Action, Kind, Schedule
 from chimera.schedule.kinds import PARTS, SPECS, Address
-from chimera.schedule.replay import Plan, message_key
+from chimera.schedule.replay import Replay, message_key
 
 
 class ScheduleError(ValueError):
@@ -165,7 +165,7 @@ def validate(schedule: Schedule) -> Schedule:
     else:
         run = lower(schedule)
         _check_channels(run)
-    stuck = Plan(run).stuck
+    stuck = Replay(run).stuck
     if stuck:
         marks = {w: i for w, (i, _) in stuck.items()}
         why = "; ".join(f"worker {w} at step {i}: {r}" for w, (i, r) in sorted(stuck.items()))

@@ -5,11 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from chimera.schedule.kinds import Kind
-from chimera.timeline.events import Event
-
-COMPUTE = tuple(k.value for k in Kind if k.is_compute)  # F, B, I, W: the kinds that count as busy
-SWAPS = ("SWAP_IN", "SWAP_OUT", "GRAD_OUT")  # offload's copies between host and device memory
+from chimera.timeline.events import Event, is_compute, is_swap
 
 
 @dataclass(frozen=True)
@@ -42,9 +38,9 @@ def step_stats(events: Iterable[Event], workers: Iterable[int] | None = None, co
         ws = sorted(set(workers) if workers is not None else {e.worker for e in evs})
         busy = {w: 0.0 for w in ws}
         for e in evs:
-            if e.kind in COMPUTE and e.worker in busy:
+            if is_compute(e.kind) and e.worker in busy:
                 busy[e.worker] += e.duration
-        span = [e for e in evs if e.kind in COMPUTE] if compute_only else evs
+        span = [e for e in evs if is_compute(e.kind)] if compute_only else evs
         makespan = max(e.end for e in span) - min(e.start for e in span) if span else 0.0
         out.append(StepStats(it, makespan, busy))
     return out
@@ -55,8 +51,9 @@ def swap_time(events: Iterable[Event]) -> dict[str, float]:
     action of the same worker (a copy stream overlapping it), ``exposed`` the rest."""
     by: dict[tuple[int, int], tuple[list[Event], list[Event]]] = {}
     for e in events:
-        if e.kind in SWAPS or e.kind in COMPUTE:
-            by.setdefault((e.iteration, e.worker), ([], []))[e.kind in SWAPS].append(e)
+        swap = is_swap(e.kind)
+        if swap or is_compute(e.kind):
+            by.setdefault((e.iteration, e.worker), ([], []))[swap].append(e)
     hidden = exposed = 0.0
     for compute, swaps in by.values():
         for s in swaps:

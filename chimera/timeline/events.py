@@ -1,9 +1,40 @@
-"""Timeline events: one record per executed (or simulated) action."""
+"""Timeline events: one record per executed (or simulated) action, named by its kind's code (``F``, ``SEND_F``,
+``AR_START``, ``OPT``); how an event is drawn and counted follows its kind's row in the kinds table (its role and
+display family)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from chimera.schedule.kinds import Kind
+
+#: display families of offload's copies between host and device memory
+SWAP_FAMILIES = ("swap-in", "swap-out", "grad-out")
+
+
+def kind_of(code: str) -> Kind | None:
+    """The kind an event names (codes, or the names of events written by earlier releases); None if unknown."""
+    try:
+        return Kind(code)
+    except ValueError:
+        return None
+
+
+def family(code: str) -> str:
+    """The display family of an event's kind (``other`` for a kind this process does not know)."""
+    kind = kind_of(code)
+    return kind.spec.family if kind is not None else "other"
+
+
+def is_compute(code: str) -> bool:
+    """Whether an event's kind computes (counts as busy)."""
+    kind = kind_of(code)
+    return kind is not None and kind.is_compute
+
+
+def is_swap(code: str) -> bool:
+    return family(code) in SWAP_FAMILIES
 
 
 @dataclass(frozen=True)

@@ -12,23 +12,22 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from chimera.schedule.ir import DIRECTION, PIPE_PREFIX  # noqa: E402
-from chimera.timeline.analysis import COMPUTE  # noqa: E402
-from chimera.timeline.events import Event  # noqa: E402
+from chimera.timeline.events import SWAP_FAMILIES, Event, family, is_compute  # noqa: E402
 
-# Forward and backward in two colour families; the up pipe in a darker shade of each.
+# Compute boxes by the display family of their kind (the kinds table's column): forward and backward in two
+# colour families (a split backward's input-gradient part is a backward), the up pipe in a darker shade of each.
 COLORS = {
-    ("F", "down"): "#8ecae6",
-    ("F", "up"): "#219ebc",
-    ("B", "down"): "#ffb703",
-    ("B", "up"): "#fb8500",
-    ("I", "down"): "#ffb703",  # the input-gradient part of a split backward: coloured as a backward
-    ("I", "up"): "#fb8500",
-    ("W", "down"): "#95d5b2",  # the weight-gradient part
-    ("W", "up"): "#2d6a4f",
+    ("forward", "down"): "#8ecae6",
+    ("forward", "up"): "#219ebc",
+    ("backward", "down"): "#ffb703",
+    ("backward", "up"): "#fb8500",
+    ("weight", "down"): "#95d5b2",  # the weight-gradient part
+    ("weight", "up"): "#2d6a4f",
 }
+OTHER_COLOR = "#9e9e9e"  # a kind of a family this figure has no colour for
 SYNC_COLOR = "#bdbdbd"
 COMM_COLOR = "#e5e5e5"
-SWAP_COLORS = {"SWAP_IN": "#8ac926", "GRAD_OUT": "#6a4c93", "SWAP_OUT": "#c9c9c9"}
+SWAP_COLORS = {"swap-in": "#8ac926", "grad-out": "#6a4c93", "swap-out": "#c9c9c9"}
 
 
 def _label(e: Event, bidirectional: bool) -> str:
@@ -59,23 +58,28 @@ def plot_timeline(
         fig = ax.figure
     bidirectional = any(e.pipe != "down" for e in events)
     span = max((e.end for e in events), default=1.0) - min((e.start for e in events), default=0.0)
-    rows = 2 if any(e.kind in SWAP_COLORS for e in events) else 1
+    fam = {e.kind: family(e.kind) for e in events}
+    rows = 2 if any(f in SWAP_FAMILIES for f in fam.values()) else 1
     for e in events:
         y = rows * (workers - 1 - e.worker) + rows - 1
-        if e.kind in SWAP_COLORS:
+        f = fam[e.kind]
+        if f in SWAP_FAMILIES:
             if e.duration > 0:
-                ax.broken_barh([(e.start, e.duration)], (y - 1 - 0.3, 0.6), facecolors=SWAP_COLORS[e.kind],
+                ax.broken_barh([(e.start, e.duration)], (y - 1 - 0.3, 0.6), facecolors=SWAP_COLORS[f],
                                edgecolors="black", linewidth=0.3)
-        elif e.kind in COMPUTE:
-            ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=COLORS[(e.kind, DIRECTION[e.pipe])],
-                           edgecolors="black", linewidth=0.4)
+        elif is_compute(e.kind):
+            color = COLORS.get((f, DIRECTION.get(e.pipe, "down")), OTHER_COLOR)
+            ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=color, edgecolors="black",
+                           linewidth=0.4)
             if e.duration > span / 60:
                 ax.text(e.start + e.duration / 2, y, _label(e, bidirectional), ha="center", va="center", fontsize=7)
-        elif e.kind in ("ALLREDUCE_START", "ALLREDUCE_WAIT") and e.duration > 0:
+        elif f == "sync" and e.duration > 0:
             ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=SYNC_COLOR, edgecolors="black",
                            hatch="///", linewidth=0.4)
-        elif show_comm and e.kind.startswith(("SEND", "RECV")) and e.duration > 0:
+        elif show_comm and f == "message" and e.duration > 0:
             ax.broken_barh([(e.start, e.duration)], (y - 0.2, 0.4), facecolors=COMM_COLOR, edgecolors="none")
+        elif f not in ("message", "sync", "update") and e.duration > 0:
+            ax.broken_barh([(e.start, e.duration)], (y - 0.3, 0.6), facecolors=OTHER_COLOR, edgecolors="none")
     for t in iteration_bounds:
         ax.axvline(t, color="red", linestyle="--", linewidth=0.8)
     ax.set_yticks(range(rows * workers))
@@ -92,17 +96,19 @@ def plot_timeline(
 
 
 def _legend(ax: plt.Axes, events: Sequence[Event], bidirectional: bool, rows: int, workers: int) -> None:
-    handles = [Patch(facecolor=COLORS[("F", "down")], edgecolor="black", label="forward" + (" (down)" if bidirectional else "")),
-               Patch(facecolor=COLORS[("B", "down")], edgecolor="black", label="backward" + (" (down)" if bidirectional else ""))]
+    down = " (down)" if bidirectional else ""
+    handles = [Patch(facecolor=COLORS[("forward", "down")], edgecolor="black", label="forward" + down),
+               Patch(facecolor=COLORS[("backward", "down")], edgecolor="black", label="backward" + down)]
     if bidirectional:
-        handles += [Patch(facecolor=COLORS[("F", "up")], edgecolor="black", label="forward (up)"),
-                    Patch(facecolor=COLORS[("B", "up")], edgecolor="black", label="backward (up)")]
-    if any(e.kind == "W" for e in events):
-        handles.append(Patch(facecolor=COLORS[("W", "down")], edgecolor="black", label="weight gradient (W)"))
+        handles += [Patch(facecolor=COLORS[("forward", "up")], edgecolor="black", label="forward (up)"),
+                    Patch(facecolor=COLORS[("backward", "up")], edgecolor="black", label="backward (up)")]
+    families = {family(e.kind) for e in events}
+    if "weight" in families:
+        handles.append(Patch(facecolor=COLORS[("weight", "down")], edgecolor="black", label="weight gradient (W)"))
     if rows == 2:
         handles += [Patch(facecolor=SWAP_COLORS[k], edgecolor="black", label=label)
-                    for k, label in (("SWAP_IN", "weights in"), ("GRAD_OUT", "gradients out"))]
-    if any(e.kind.startswith("ALLREDUCE") and e.duration > 0 for e in events):
+                    for k, label in (("swap-in", "weights in"), ("grad-out", "gradients out"))]
+    if any(family(e.kind) == "sync" and e.duration > 0 for e in events):
         handles.append(Patch(facecolor=SYNC_COLOR, edgecolor="black", hatch="///", label="gradient sync"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 if workers < 6 else -0.1),
               ncol=len(handles), fontsize=8, frameon=False)

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from chimera.schedule import Costs, Schedule, from_json, simulate, to_json
-from chimera.timeline.analysis import SWAPS, step_stats, swap_time
-from chimera.timeline.events import Event, events_from_simulation
+from chimera.schedule.kinds import Address
+from chimera.timeline.analysis import step_stats, swap_time
+from chimera.timeline.events import Event, events_from_simulation, is_swap, kind_of
 
 PIPE_TID = {"down": 0, "up": 1, "down2": 3, "up2": 4}  # down2 / up2: four-pipe Chimera
 SWAP_TID = 2  # offload's swaps: a row of their own per worker
@@ -39,14 +40,15 @@ def chrome_trace(events: Sequence[Event], meta: dict[str, Any] | None = None) ->
             if pipe not in pipes:
                 continue
             out.append({"name": "thread_name", "ph": "M", "pid": w, "tid": tid, "args": {"name": f"{pipe} pipe"}})
-        if any(e.kind in SWAPS for e in events):
+        if any(is_swap(e.kind) for e in events):
             out.append({"name": "thread_name", "ph": "M", "pid": w, "tid": SWAP_TID, "args": {"name": "swaps"}})
     for e in events:
         mb = "" if e.microbatch < 0 else (str(e.microbatch) if e.count == 1 else f"{e.microbatch}-{e.microbatch + e.count - 1}")
-        name = "OPT" if e.kind == "OPTIMIZER_STEP" else f"{e.pipe[0]}{e.stage}{e.kind}{mb}"
+        kind = kind_of(e.kind)
+        name = kind.value if kind and kind.spec.address is Address.NONE else f"{e.pipe[0]}{e.stage}{e.kind}{mb}"
         out.append({
             "name": name, "cat": e.kind, "ph": "X", "pid": e.worker,
-            "tid": SWAP_TID if e.kind in SWAPS else PIPE_TID.get(e.pipe, 0),
+            "tid": SWAP_TID if is_swap(e.kind) else PIPE_TID.get(e.pipe, 0),
             "ts": (e.start - t0) * 1e6, "dur": max(0.0, e.duration) * 1e6,
             "args": {"iteration": e.iteration, "stage": e.stage, "microbatch": e.microbatch, "pipe": e.pipe},
         })

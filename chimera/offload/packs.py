@@ -12,21 +12,30 @@ forward or backward: the memory model (``chimera.plan.memory``) and the bytes pr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from chimera.microbatch import tensors
 
-if TYPE_CHECKING:  # pragma: no cover
-    from chimera.runtime.offload import HostStore
+
+class PackSource(Protocol):
+    """What a pack stream needs of the host store (:class:`chimera.offload.store.HostStore`)."""
+
+    def home(self, p: nn.Parameter) -> nn.Parameter: ...
+
+    def copy_in(self, params: list[nn.Parameter], ready: Any) -> int: ...
+
+    def release(self, params: list[nn.Parameter]) -> None: ...
+
+    def wait(self, key: Any) -> None: ...
 
 
 class PackStream:
     """The packs of one stage replica and which of them are on the device (module docstring)."""
 
-    def __init__(self, store: HostStore, key: tuple[str, int], mod: nn.Module, size: int) -> None:
+    def __init__(self, store: PackSource, key: tuple[str, int], mod: nn.Module, size: int) -> None:
         self.store = store
         self.key = key
         layers = list(mod.layers)  # type: ignore[arg-type]

@@ -2,7 +2,7 @@
 
 For every parameter of the worker's stage replicas the store keeps a host copy (pinned on GPU), which is the
 current value of the weight: the optimizer steps the host copies (its state lives on the host), and the
-gradients, when offloaded, are summed there. The schedule's swap actions (``chimera.schedule.lowering.
+gradients, when offloaded, are summed there. The schedule's swap actions (``chimera.offload.lowering.
 add_offload``) move data:
 
 * ``SWAP_IN``: host -> device weights of a stage replica (on GPU on a separate copy stream; the stage's next
@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from chimera.runtime.packs import PackStream
-from chimera.schedule import Offload
+from chimera.offload.packs import PackStream
+from chimera.offload.policy import Offload
 
 StageKey = tuple[str, int]
 
@@ -66,8 +66,8 @@ class HostStore:
             if offload.weights_at(key[1]):
                 self.swap_out(key)
         self.moved = 0
-        # weights in packs: streamed inside the stage's forwards and backwards (chimera.runtime.packs)
-        self.packs = {key: PackStream(self, key, mod, offload.pack) for key, mod in modules.items()
+        # weights in packs: streamed inside the stage's forwards and backwards (chimera.offload.packs)
+        self.packs = {key: PackStream(self, key, mod, offload.at(key[1]).pack) for key, mod in modules.items()
                       if offload.packed_at(key[1])}
 
     def transient_peak(self) -> int:

@@ -1,0 +1,30 @@
+"""What the ``profile`` and ``plan`` commands share: the model they are about (a preset, or ``--chain``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from chimera.cli.options import UsageError, add_field
+from chimera.compile.model import load_chain
+from chimera.config import ConfigError
+from chimera.models import PRESETS, build_model
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``--model`` or ``--chain``, and ``--seq-len``: the same flags as training's."""
+    add_field(p, "model", default=None, help="preset model: " + ", ".join(sorted(PRESETS)))
+    add_field(p, "chain", default=None)
+    add_field(p, "seq_len", default=None, help="sequence length of a transformer preset (default: the preset's)")
+
+
+def model_of(args: argparse.Namespace) -> Any:
+    """The chain the flags name; UsageError when neither or both of ``--model`` and ``--chain`` are given."""
+    if (args.model is None) == (args.chain is None):
+        raise UsageError("give the model: --model PRESET or --chain pkg.module:factory (one of them)")
+    try:
+        if args.chain is not None:
+            return load_chain(args.chain)[0]
+        return build_model(args.model, seq_len=args.seq_len)
+    except (ConfigError, ValueError) as e:
+        raise UsageError(str(e)) from None

@@ -1,0 +1,65 @@
+"""``chimera plan``: rank the configurations of a profiled model and write the best as a plan file.
+
+    chimera plan --model bert-48 --profile-file profiles/bert-48.profile.json --workers 32 \
+        --memory-per-worker 16GiB --global-batch 256 --top 10 -o profiles/bert-48.plan.json
+    chimera plan --chain mypkg.models:chain --profile-file p.json --workers 4     # your own model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from chimera.cli.common import add_model_args, model_of
+from chimera.cli.options import UsageError, add_field, deprecated_alias
+from chimera.compile.names import choices
+from chimera.plan import PlanError, PlanFile, plan
+from chimera.plan.planfile import summary
+from chimera.plan.report import report
+from chimera.profile import Profile, ProfileError
+from chimera.util.units import parse_bytes
+
+
+def add_parser(sub: Any, parser_class: type) -> None:
+    """The ``plan`` subcommand."""
+    p = sub.add_parser("plan", help="choose schedule, D, W, B, N, recomputation, offload and partition from a "
+                                    "profile")
+    add_model_args(p)
+    p.add_argument("--profile-file", required=True, help="profile file (chimera profile -o ...)")
+    deprecated_alias(p, "--profile", "--profile-file", "profile_file")
+    p.add_argument("--workers", "-K", type=int, required=True, help="workers (D x W) to plan for")
+    add_field(p, "stages", default=None, help="fix the pipeline depth D (default: every D dividing --workers)")
+    add_field(p, "memory_per_worker", default=None, help="memory limit per worker, e.g. 80GiB (default: the "
+              "profiled device's memory, or none)")
+    p.add_argument("--global-batch", "-G", type=int, default=None, help="samples per step (N x B x W) (default: the "
+                   "largest profiled micro-batch per worker)")
+    add_field(p, "optimizer", default="lamb", help="optimizer whose state counts in memory", names_of=choices)
+    p.add_argument("--top", type=int, default=10, help="rows of the ranked table (default: 10)")
+    p.add_argument("--json", action="store_true", help="print the ranked candidates as JSON")
+    p.add_argument("-o", "--output", default=None, help="plan file (default: profiles/MODEL.plan.json)")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Run the planner; print the table; write the plan file."""
+    if args.workers < 1 or args.top < 1 or (args.global_batch is not None and args.global_batch < 1):
+        raise UsageError("--workers, --top and --global-batch must be >= 1")
+    chain = model_of(args)
+    try:
+        profile = Profile.load(args.profile_file).check(chain)
+        limit = parse_bytes(args.memory_per_worker) if args.memory_per_worker else profile.device_memory_bytes
+        result = plan(profile, args.workers, args.global_batch, limit, args.optimizer, args.top, stages=args.stages)
+        chosen = PlanFile.from_result(result, chain.name, profile.fingerprint, profile.device)
+    except (ValueError, ProfileError, PlanError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([summary(e) for e in result.ranked[:args.top]]))
+    else:
+        print(report(result, args.top))
+    out = chosen.save(args.output or f"profiles/{chain.name}.plan.json")
+    print(f"plan: {out} ({chosen.flags['schedule']}, D={chosen.flags['stages']}, W={chosen.flags['data_parallel']}, "
+          f"predicted {chosen.predicted_step_s:.4g} s/step)", file=sys.stderr if args.json else sys.stdout)
+    return 0

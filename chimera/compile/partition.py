@@ -1,0 +1,57 @@
+"""The partition pass: which layers every stage holds. A fixed method (``uniform``, ``params``, layer counts) or
+the planned partition (a brief profile of the model as the workers will run it, then the split with the least
+simulated step time under the memory limit), which also gives the run's prediction.
+
+    decision = partition_pass(cfg, chain, schedule, unit, limit=None, log=print)
+    decision.stage_layers, decision.prediction
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from chimera.config import ConfigError, TrainConfig
+from chimera.job import Prediction
+from chimera.offload.policy import Offload
+from chimera.plan.partition import layers_of, partition, plan_partition
+from chimera.plan.profiles import cached_profile, sharing
+from chimera.profile import ProfileError
+from chimera.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class PartitionDecision:
+    """The layers of every stage and, when planned, the planner's prediction for them."""
+
+    stage_layers: list[list[int]]
+    prediction: Prediction | None = None
+
+
+def fixed_split(chain: Any, stages: int, method: str) -> list[list[int]]:
+    """A fixed method's split (``planned`` is not one); ConfigError naming ``--partition``."""
+    try:
+        return partition(chain, stages, method)
+    except ValueError as e:
+        raise ConfigError(f"--partition {method}: {e}") from None
+
+
+def partition_pass(cfg: TrainConfig, chain: Any, schedule: Schedule, unit: int, threads: int, limit: int | None,
+                   offload: Offload | None, log: Callable[[str], None] | None = None) -> PartitionDecision:
+    """The split of ``cfg`` (module docstring). ``limit``: bytes per worker the planned split must fit;
+    ``offload``: the policy it is priced with (None: ``--offload auto``, decided on the split afterwards)."""
+    method = cfg.schedule.partition
+    if method != "planned":
+        return PartitionDecision(fixed_split(chain, schedule.stages, method))
+    t = cfg.training
+    world = schedule.workers * schedule.data_parallel
+    fixed_split(chain, schedule.stages, "uniform")  # D within the model's layers: a clear error before profiling
+    try:
+        prof = cached_profile(chain, [unit], t.device, threads, sharing(world, t.device), progress=log)
+        part = plan_partition(prof, schedule, unit, t.recompute, t.optimizer, limit, exchange=t.device != "cuda",
+                              offload=offload)
+    except (ValueError, ProfileError) as e:
+        raise ConfigError(f"--partition planned: {e}") from None
+    source = f"{prof.model} on {prof.device}, {prof.threads} thread(s), partition {','.join(map(str, part.sizes))}"
+    return PartitionDecision(layers_of(part.sizes), Prediction(part.step_s, source, part.bubble, part.peak_memory))

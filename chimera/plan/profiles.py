@@ -1,0 +1,53 @@
+"""Profiles taken for planning inside a run (``--partition planned``, ``--schedule auto``, ``--plan auto``): a brief
+profile of the model as the workers will run it (device, threads per worker, as many processes at once as workers
+share the machine), kept in ``profiles/`` and reused while it matches the model, device, library versions, threads
+and sizes::
+
+    prof = cached_profile(chain, [4], "cpu", threads=1, concurrent=sharing(4, "cpu"))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from chimera.profile import CommProfile, Profile, ProfileError
+from chimera.profile.layers import profile_chain
+
+PROFILE_DIR = Path("profiles")
+
+
+def sharing(world: int, device: str) -> int:
+    """How many processes to profile at once: on CPU every worker (they share the machine's cores, also when
+    they outnumber them, and each timing should carry its share), on GPUs 1 (one device each)."""
+    return 1 if device == "cuda" else max(1, world)
+
+
+def profile_path(chain: Any, device: str, threads: int, concurrent: int) -> Path:
+    """Where the profile of ``chain`` taken this way is kept."""
+    return PROFILE_DIR / f"{chain.name}.{device}.t{threads}.x{concurrent}.profile.json"
+
+
+def cached_profile(chain: Any, sizes: Sequence[int], device: str, threads: int, concurrent: int = 1,
+                   comm: Callable[[], CommProfile] | None = None, reps: int = 3,
+                   progress: Callable[[str], None] | None = None) -> Profile:
+    """A profile of ``chain`` at ``sizes`` on ``device`` with ``threads`` threads per process and ``concurrent``
+    processes at once: the one kept in ``profiles/`` when it still matches, else a new one (taken and kept).
+    ``progress`` hears a line before a new profile is taken and when it is done."""
+    path = profile_path(chain, device, threads, concurrent)
+    try:
+        prof = Profile.load(path).check(chain, device=device)
+        if set(sizes) <= set(prof.micro_batch_sizes) and prof.threads == threads and (comm is None or prof.comm):
+            return prof
+    except ProfileError:
+        pass
+    if progress:
+        progress(f"profiling {chain.name} ({chain.num_layers} layers, micro-batch sizes "
+                 f"{', '.join(map(str, sorted(set(sizes))))}, {concurrent} process(es) at once) for planning...")
+    prof = profile_chain(chain, sorted(set(sizes)), device=device, reps=reps, warmup=1, threads=threads,
+                         comm=comm() if comm else None, concurrent=concurrent)
+    prof.save(path)
+    if progress:
+        progress(f"profile kept in {path}")
+    return prof
