@@ -12,7 +12,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"LayerChain": "chimera.models", "train": "chimera.api", "job": "chimera.api", "Run": "chimera.api",
+_LAZY = {"LayerChain": "chimera.models", "train": "chimera.api", "build_job": "chimera.api", "Run": "chimera.api",
          "TrainConfig": "chimera.config", "ConfigError": "chimera.config", "compile_job": "chimera.compile"}
 
 __all__ = [*_LAZY, "__version__"]

@@ -42,7 +42,7 @@ def request(config: TrainConfig | None = None, **fields: Any) -> TrainConfig:
         raise ConfigError(str(e)) from None
 
 
-def job(chain: LayerChain | None = None, data: Any = None, *, config: TrainConfig | None = None,
+def build_job(chain: LayerChain | None = None, data: Any = None, *, config: TrainConfig | None = None,
         **fields: Any) -> Job:
     """The compiled job that trains ``chain`` on ``data`` (or the preset ``model=``), exactly as ``chimera train``
     builds it from the same fields. Raises :class:`ConfigError` before anything starts."""
@@ -143,4 +143,4 @@ def train(chain: LayerChain | None = None, data: Any = None, *, config: TrainCon
           return_model: bool = True, **fields: Any) -> Run:
     """Train with one process per worker on this machine (module docstring); returns the :class:`Run`, already
     started. Raises :class:`ConfigError` before any worker starts."""
-    return Run(job(chain, data, config=config, **fields), return_model)
+    return Run(build_job(chain, data, config=config, **fields), return_model)

@@ -29,7 +29,7 @@ def train(chain: Any = None, data: Any = None, launch: Any = None, *, out: str |
     ``progress``: a progress bar). Returns one record per step."""
     keep_local_ray_on_loopback(["--address"] if launch is not None and launch.address else [])
     # imported here, not above: Ray reads the loopback setting when it is first imported
-    from chimera.api import job
+    from chimera.api import build_job
     from ray_launch.recovery import run
 
-    return run(job(chain, data, **fields), launch, out=out, progress=progress)
+    return run(build_job(chain, data, **fields), launch, out=out, progress=progress)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import chimera
-from chimera.api import job as chain_job
+from chimera.api import build_job as chain_job
 from chimera.config import ConfigError
 from chimera.models import ChainError, LayerChain, TensorSpec
 from chimera.runtime import run_local, stage_params_by_layer, train_sequential

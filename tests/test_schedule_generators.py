@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 
-from chimera.schedule import Costs, ScheduleConfigError, build_schedule, lower, simulate, validate
+from chimera.schedule import Costs, Kind, ScheduleConfigError, build_schedule, lower, simulate, validate
 from chimera.schedule.ir import DOWN, UP, B, F
 
 UNIT = Costs(fwd=1, bwd=1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numbers
 import weakref
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from functools import cached_property
@@ -57,6 +58,9 @@ class Costs:
     (posting it and completing it; a message leaves when its send's busy time ends, a receive is busy after its
     message arrived), ``sync_start`` / ``sync_wait`` per stage for a gradient sum's start (packing the
     gradients) and wait (unpacking the sum). All default to 0: communication that only delays.
+
+    ``extra``: the costs of kinds registered beyond the built-in ones (``chimera.schedule.kinds.register_kind``),
+    ``(name, value)`` pairs under the names their rows give (a value per stage, or one for all).
     """
 
     fwd: Num | Sequence[Num] = 1
@@ -73,6 +77,13 @@ class Costs:
     p2p_busy: Num = 0
     sync_start: Num | Sequence[Num] = 0
     sync_wait: Num | Sequence[Num] = 0
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def field_value(self, name: str) -> Num | Sequence[Num]:
+        """The cost field ``name``: one of the fields above, else an ``extra`` one (0 where none is given)."""
+        if name in _FIELDS:
+            return getattr(self, name)
+        return next((v for k, v in self.extra if k == name), 0)
 
     def stage_value(self, value: Num | Sequence[Num], stage: int) -> Num:
         return value[stage] if isinstance(value, Sequence) else value
@@ -86,7 +97,7 @@ class Costs:
         if spec.cost == "message":
             return self.message(message_of(a.kind, a.pipe, a.stage, a.microbatch)[0])
         fields = (spec.cost,) if isinstance(spec.cost, str) else spec.cost
-        value = sum(self.stage_value(getattr(self, f), a.stage) for f in fields)
+        value = sum(self.stage_value(self.field_value(f), a.stage) for f in fields)
         if spec.address is not Address.MICROBATCH:
             return value
         v = value * a.count
@@ -96,7 +107,7 @@ class Costs:
         """How long ``a`` occupies its worker: a communication kind its ``busy`` field (its delay is what
         :meth:`of` charges), any other kind :meth:`of`."""
         busy = SPECS[a.kind].busy
-        return self.stage_value(getattr(self, busy), a.stage) if busy is not None else self.of(a, scale)
+        return self.stage_value(self.field_value(busy), a.stage) if busy is not None else self.of(a, scale)
 
     def first_stage_whole_backward(self, stages: int) -> Costs:
         """These costs as the runtime splits a backward over ``stages`` stages: the first stage's inputs are data,
@@ -118,6 +129,9 @@ class Costs:
                 raise ValueError("per-stage p2p_bytes: the message's key names the stage whose bytes it costs")
             size = size[key.stage if key.res is not Res.GRAD else key.stage - 1]
         return self.p2p_latency + size / self.p2p_bandwidth
+
+
+_FIELDS = {f.name for f in dataclasses.fields(Costs)} - {"extra", "copy_overlap"}
 
 
 @dataclass(frozen=True)
