@@ -1,4 +1,5 @@
-"""Schedule exchange formats: CSV (one row per worker, like torch.distributed.pipelining) and JSON."""
+"""Schedule exchange formats: CSV (one row per worker, like torch.distributed.pipelining) and JSON; the CSV torch
+itself writes (with its sends, receives and FSDP actions) is read by :mod:`chimera.schedule.torchpp`."""
 
 from __future__ import annotations
 

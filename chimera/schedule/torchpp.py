@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from chimera.schedule.ir import DOWN, PIPE_PREFIX, Action, Kind, Schedule, from_rows
+from chimera.schedule.kinds import Res, message
 from chimera.schedule.lowering import add_p2p
 
 COMPUTE = {"F": Kind.F, "B": Kind.B, "I": Kind.I, "W": Kind.W}
@@ -90,8 +91,8 @@ def is_torch_csv(rows: Sequence[Sequence[str]]) -> bool:
     return ours is None
 
 
-def _one(cell: Cell, text: str, in_overlap: bool) -> tuple[str, Action]:
-    """One torch action: its code and the action (FSDP: stage only)."""
+def _one(cell: Cell, text: str, in_overlap: bool) -> tuple[str, Action | None]:
+    """One torch action: its code and the action (None for an FSDP action, which is dropped)."""
     m = _CELL.fullmatch(text)
     if not m:
         raise TorchCsvError(f"{cell}: not an action: torch writes [stage][type][micro-batch], e.g. '2F0', '1SEND_B3', "
@@ -104,7 +105,7 @@ def _one(cell: Cell, text: str, in_overlap: bool) -> tuple[str, Action]:
     if code in FSDP:
         if mb:
             raise TorchCsvError(f"{cell}: {code} names a stage, not a micro-batch: write '{stage}{code}'")
-        return code, Action(Kind.F, DOWN, stage)  # kind unused: dropped
+        return code, None
     if not mb:
         raise TorchCsvError(f"{cell}: {code} needs a micro-batch index, e.g. '{stage}{code}0'")
     return code, Action(COMPUTE.get(code) or P2P[code], DOWN, stage, int(mb))
@@ -132,7 +133,7 @@ def _parse(rows: Sequence[Sequence[str]]) -> tuple[list[list[tuple[Cell, Action]
                 seen[OVERLAP] += 1
             for part in parts:
                 code, a = _one(cell, part, bool(pair))
-                if code in FSDP:
+                if a is None:
                     seen[code] += 1
                 elif code in P2P:
                     p2p.append((cell, a))
@@ -168,8 +169,6 @@ def _placement(compute: list[list[tuple[Cell, Action]]]) -> tuple[dict[int, int]
 
 def _why_extra(a: Action, rank: int, place: dict[int, int], where: dict[tuple, Cell]) -> str:
     """Why chimera's lowering of the placement has no send/receive ``a`` on ``rank``."""
-    from chimera.schedule.kinds import Res, message
-
     send = a.kind.is_send
     home = place.get(a.stage)
     if home is None:
