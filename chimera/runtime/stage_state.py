@@ -2,7 +2,8 @@
 buckets, optimizer and learning-rate schedule.
 
 Tied parameters (a chain's ``tied`` pairs, e.g. the embedding on the first stage and the decoder on the last) are
-left out of the stage buckets and summed over every rank that holds either end before clipping. The global
+left out of the stage buckets and summed over every rank that holds either end before clipping (on one rank alone
+where a V placement puts the first and the last stage together and nothing else holds them). The global
 gradient norm counts each stage once: the first pipe's replica in data-parallel group 0.
 """
 
@@ -55,7 +56,7 @@ class StageState:
         home = self.host.home if self.host else _same
         self.device_params = _unique(p for mod in self.modules.values() for p in mod.parameters())
         self.tied: list[torch.nn.Parameter] = []
-        if comm.tied_group is not None:
+        if comm.rank in tied_ranks(job):  # an end of a pair tied across stages is here (a V placement: both ends)
             for pair in job.chain.tied_parameters():
                 for mod in self.modules.values():
                     for layer_idx, name in pair:
@@ -108,7 +109,8 @@ class StageState:
             total = self.tied[0].grad.to(self.device)  # summed in place: one pass per other end, no stacked copy
             for p in self.tied[1:]:
                 total.add_(p.grad.to(self.device))
-            total = self.comm.allreduce(total, self.comm.tied_group, f"tied-weight gradient sum in step {step}")
+            if self.comm.tied_group is not None:  # None: every end is on this rank, summed above
+                total = self.comm.allreduce(total, self.comm.tied_group, f"tied-weight gradient sum in step {step}")
             for p in self.tied:
                 if p.grad is not total:
                     p.grad.copy_(total)

@@ -1,15 +1,18 @@
-"""Schedule exchange formats: CSV (one row per worker, like torch.distributed.pipelining) and JSON."""
+"""Schedule exchange formats: CSV (one row per worker, like torch.distributed.pipelining) and JSON; the CSV torch
+itself writes (with its sends, receives and FSDP actions) is read by :mod:`chimera.schedule.torchpp`."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+import warnings
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from chimera.schedule.ir import Action, Kind, Schedule, from_rows
+from chimera.schedule.torchpp import TorchCsvError, is_torch_csv, read_torch_csv
 
 
 def to_csv(schedule: Schedule) -> str:
@@ -24,8 +27,14 @@ def to_csv(schedule: Schedule) -> str:
 
 def from_csv(text: str, *, name: str = "custom", microbatches: int | None = None, data_parallel: int = 1,
              microbatch_scale: Fraction = Fraction(1)) -> Schedule:
-    """Parse :func:`to_csv` output (or a torch pipelining CSV without comm actions)."""
-    rows = [[Action.parse(c) for c in r if c.strip()] for r in csv.reader(io.StringIO(text))]
+    """Parse :func:`to_csv` output, or the CSV torch.distributed.pipelining writes (told apart by
+    :func:`~chimera.schedule.torchpp.is_torch_csv`; read by :func:`~chimera.schedule.torchpp.read_torch_csv`, which
+    keeps its compute actions and checks ``microbatches`` against the file's where given)."""
+    cells = list(csv.reader(io.StringIO(text)))
+    if is_torch_csv(cells):
+        return read_torch_csv(cells, name=name, microbatches=microbatches, data_parallel=data_parallel,
+                              microbatch_scale=microbatch_scale).schedule
+    rows = [[Action.parse(c) for c in r if c.strip()] for r in cells]
     return from_rows(rows, name=name, microbatches=microbatches, data_parallel=data_parallel,
                      microbatch_scale=microbatch_scale)
 
@@ -78,9 +87,13 @@ def from_json(text: str) -> Schedule:
 
 
 def load_schedule_file(path: str, stages: int, microbatches: int) -> Schedule:
-    """A compute-only schedule from ``path`` (our JSON, or CSV as torch.distributed.pipelining writes it), checked
-    against ``stages`` workers and ``microbatches`` micro-batches and validated; :class:`ScheduleConfigError`
-    (with the step x worker grid where the lists are wrong) says what to change."""
+    """A compute-only schedule from ``path`` (our JSON or CSV, or the CSV torch.distributed.pipelining writes),
+    checked against ``stages`` workers and ``microbatches`` micro-batches and validated; :class:`ScheduleConfigError`
+    (with the step x worker grid where the lists are wrong) says what to change.
+
+    A torch CSV has one row per rank (``stages`` is the number of ranks) and may name more stages than ranks (the
+    model is cut into as many stages as it names); its sends, receives and FSDP actions are dropped, with a
+    warning that says so (:mod:`chimera.schedule.torchpp`)."""
     from chimera.schedule.generators import ScheduleConfigError
     from chimera.schedule.validate import ScheduleError, validate
 
@@ -89,7 +102,9 @@ def load_schedule_file(path: str, stages: int, microbatches: int) -> Schedule:
     except OSError as e:
         raise ScheduleConfigError(f"--schedule-file {path}: cannot read it ({e.strerror})") from None
     try:
-        s = from_json(text) if text.lstrip().startswith("{") else from_csv(text, name=Path(path).stem)
+        s = _read_schedule_file(text, path, stages, microbatches)
+    except TorchCsvError as e:
+        raise ScheduleConfigError(f"--schedule-file {path} (a torch.distributed.pipelining CSV): {e}") from None
     except (ValueError, KeyError, TypeError) as e:
         raise ScheduleConfigError(f"--schedule-file {path}: not a schedule in our JSON or torch's CSV form: {e}"
                                   ) from None
@@ -103,3 +118,18 @@ def load_schedule_file(path: str, stages: int, microbatches: int) -> Schedule:
         return validate(s)
     except ScheduleError as e:
         raise ScheduleConfigError(f"--schedule-file {path}: {e}") from None
+
+
+def _read_schedule_file(text: str, path: str, ranks: int, microbatches: int) -> Schedule:
+    """Our JSON, our CSV or torch's CSV; a torch CSV is checked against the flags cell by cell, and what it drops
+    is said in a warning."""
+    if text.lstrip().startswith("{"):
+        return from_json(text)
+    cells = list(csv.reader(io.StringIO(text)))
+    if not is_torch_csv(cells):
+        return from_csv(text, name=Path(path).stem)
+    got = read_torch_csv(cells, name=Path(path).stem, ranks=ranks, microbatches=microbatches)
+    if got.notes:
+        warnings.warn(f"--schedule-file {path} (a torch.distributed.pipelining CSV): {'; '.join(got.notes)}",
+                      stacklevel=3)
+    return got.schedule

@@ -17,6 +17,8 @@ input-gradient part I and its weight-gradient part W; the allreduce of a stage t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from chimera.schedule.ir import Action, Schedule, _replace
 from chimera.schedule.kinds import PARTS, SPECS, TRANSFER, Kind, Res, Role, neighbour
 
@@ -51,7 +53,74 @@ def add_p2p(schedule: Schedule) -> Schedule:
                 if dst is not None and place[(a.pipe, dst)] != w:
                     out.append(Action(send, a.pipe, a.stage, a.microbatch, a.count))
         rows.append(out)
-    return _replace(schedule, actions=rows, lowered=True)
+    return _replace(schedule, actions=in_channel_order(rows, place), lowered=True)
+
+
+def _p2p() -> dict[Kind, tuple[bool, int, Res | None]]:
+    """Send/receive kind -> (whether it sends, the peer stage's offset, the resource it carries)."""
+    return {k: (spec.role is Role.SEND, spec.peer, spec.carries) for k, spec in SPECS.items()
+            if spec.role in (Role.SEND, Role.RECV)}
+
+
+_Channel = tuple[int, int, str]  # sender, receiver, pipe
+
+
+def in_channel_order(rows: list[list[Action]], place: Mapping[tuple[str, int], int]) -> list[list[Action]]:
+    """Every worker's receives moved, where needed, so that it takes each channel's messages (sender, receiver,
+    pipe) in the order the sender sends them: the runtime's channels match messages in posting order.
+
+    A receive that a later message of its channel overtakes moves up to just before that message's receive, so
+    two stages that send to one worker over one channel (the two legs of a V placement: stage s's activation and
+    stage 2D-1-s's gradient) arrive in order. What a worker waits for does not change: the moved message left
+    before the one its new place waits for. A row whose channels are in order already is kept as it is.
+    """
+    p2p = _p2p()
+    sent: dict[_Channel, dict[tuple, int]] = {}
+    for w, row in enumerate(rows):
+        for a in row:
+            info = p2p.get(a.kind)
+            if info is not None and info[0]:  # a send: the message of its own stage's output
+                ch = sent.setdefault((w, place[(a.pipe, a.stage + info[1])], a.pipe), {})
+                ch.setdefault((info[2], a.stage, a.microbatch), len(ch))
+    out = []
+    for w, row in enumerate(rows):
+        # each receive's channel and place in its send order (None: no send, left for the validator to report)
+        pos: list[tuple[_Channel, int | None] | None] = []
+        last: dict[_Channel, int] = {}
+        ordered = True
+        for a in row:
+            info = p2p.get(a.kind)
+            if info is None or info[0]:
+                pos.append(None)
+                continue
+            peer = a.stage + info[1]  # a receive: the message of the peer stage's output
+            ch = (place[(a.pipe, peer)], w, a.pipe)
+            k = sent.get(ch, {}).get((info[2], peer, a.microbatch))
+            pos.append((ch, k))
+            if k is not None:
+                ordered = ordered and k > last.get(ch, -1)
+                last[ch] = k
+        out.append(row if ordered else _reorder(row, pos))
+    return out
+
+
+def _reorder(row: list[Action], pos: list[tuple[_Channel, int | None] | None]) -> list[Action]:
+    """``row`` with each receive preceded by the receives of its channel's earlier messages not yet taken."""
+    recvs: dict[_Channel, dict[int, int]] = {}  # channel -> place in its send order -> index in row
+    for i, p in enumerate(pos):
+        if p is not None and p[1] is not None:
+            recvs.setdefault(p[0], {}).setdefault(p[1], i)
+    placed: dict[_Channel, int] = {}  # channel -> how many of its messages the row has taken
+    new: list[Action] = []
+    for i, a in enumerate(row):
+        p = pos[i]
+        if p is None or p[1] is None or recvs[p[0]][p[1]] != i:  # not a receive, no send, or a second receive
+            new.append(a)
+            continue
+        ch, k = p
+        new += [row[recvs[ch][j]] for j in range(placed.get(ch, 0), k + 1) if j in recvs[ch]]
+        placed[ch] = max(placed.get(ch, 0), k + 1)
+    return new
 
 
 def add_grad_sync(schedule: Schedule) -> Schedule:

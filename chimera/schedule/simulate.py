@@ -19,10 +19,10 @@ costs run in plain integers over their common denominator; floats stay floats.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import weakref
 from collections.abc import Sequence
-import dataclasses
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from functools import cached_property
