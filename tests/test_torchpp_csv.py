@@ -19,6 +19,7 @@ from test_runtime_parity import BASE, SGD, assert_parity
 from torch.distributed import pipelining
 from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping, generate_stage_to_rank_mapping
 
+from chimera.compile import compile_job
 from chimera.config import ConfigError
 from chimera.schedule import DOWN, Action, Costs, Kind, build_schedule, lower, simulate, to_csv
 from chimera.schedule.generators import ScheduleConfigError
@@ -160,8 +161,8 @@ def test_counts_that_disagree_with_the_flags_are_refused(torch_csvs, tmp_path):
     _refused(zbv, r"the file has 4 rows, one per rank, but --stages is 8: pass --stages 4 --micro-batches 8 \(--stages "
              r"counts the ranks; the model is cut into the file's 8 stages\)$", stages=8)
     with pytest.raises(ConfigError, match="pass --stages 4 --micro-batches 8"):  # the same through the config
-        BASE.with_flags(schedule_file=str(zbv), stages=4, micro_batches=4,
-                        model_overrides={"num_hidden_layers": 6}).check()
+        compile_job(BASE.with_flags(schedule_file=str(zbv), stages=4, micro_batches=4,
+                        model_overrides={"num_hidden_layers": 6}))
 
 
 def test_cells_that_disagree_with_the_placement_are_refused(torch_csvs, tmp_path):
