@@ -62,7 +62,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: Any) -> torch.Tensor:
     """
     if isinstance(labels, dict):
         if "shift_labels" in labels:
-            return ForCausalLMLoss(logits, None, vocab_size=logits.shape[-1], shift_labels=labels["shift_labels"])
+            shifted = labels["shift_labels"].contiguous()
+            return ForCausalLMLoss(logits, None, vocab_size=logits.shape[-1], shift_labels=shifted)
         if "labels" not in labels:
             raise ValueError(f"causal-LM labels need a 'labels' or 'shift_labels' entry, got {sorted(labels)}")
         labels = labels["labels"]
