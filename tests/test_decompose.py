@@ -169,7 +169,7 @@ def _vectors() -> dict:
      r"GPT2LMHeadModel cannot be split at module 'transformer.h.0.crossattention'"),
     (lambda: tiny("GPT2LMHeadModel"), {"seq_len": 64}, r"seq_len=64 does not fit GPT2LMHeadModel"),
     (SkipOverChildren, {"example": _images(), "loss": nn.functional.cross_entropy},
-     r"the forward of SkipOverChildren \(module path '' , the model itself\) is not a chain of its children"),
+     r"the forward of SkipOverChildren \(module path '', the model itself\) is not a chain of its children"),
     (lambda: nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 2)])), _vectors(),
      r"module '1' of Sequential is a ModuleList"),
     (lambda: [nn.Linear(4, 4), "relu"], _vectors(), "item 1 of the list is a str"),

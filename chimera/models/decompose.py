@@ -138,7 +138,7 @@ def _check_chain_of_children(model: nn.Module, children: list[tuple[str, nn.Modu
 
 
 def _not_a_chain(model: nn.Module, why: str) -> str:
-    return (f"decompose: the forward of {type(model).__name__} (module path '' , the model itself) is not a chain of "
+    return (f"decompose: the forward of {type(model).__name__} (module path '', the model itself) is not a chain of "
             f"its children: {why}; give an nn.Sequential or a list of modules whose composition is the model")
 
 
