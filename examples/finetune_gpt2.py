@@ -14,6 +14,7 @@ The chain's own data factory (``chain.data``) gives the same blocks for any micr
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import chimera
 from chimera.data.finetune import LanguageModelDataset, language_model_data
 from chimera.models.decompose import DecomposedChain
-from chimera.models.pretrained import load_pretrained
+from chimera.models.pretrained import architecture, load_pretrained
 
 SAMPLE_TOKENIZER = Path(chimera.__file__).parent / "data" / "sample" / "enwiki-sample.gpt2"
 
@@ -35,12 +36,15 @@ def factory(pretrained_dir: str | None = None, text_file: str | None = None, *, 
     text_file = text_file or os.environ.get("FINETUNE_TEXT")
     if not pretrained_dir or not text_file:
         raise ValueError("factory needs pretrained_dir and text_file (or FINETUNE_PRETRAINED and FINETUNE_TEXT)")
-    own = (Path(pretrained_dir) / "tokenizer.json").is_file()
-    chain = load_pretrained(pretrained_dir, seq_len=seq_len, micro_batch_size=micro_batch_size)
-    data = language_model_data(text_file, pretrained_dir if own else SAMPLE_TOKENIZER, seq_len,
-                               vocab_size=int(chain.source["config"]["vocab_size"]))
-    chain.data = data
+    tokenizer = pretrained_dir if (Path(pretrained_dir) / "tokenizer.json").is_file() else SAMPLE_TOKENIZER
+    data = language_model_data(text_file, tokenizer, seq_len, vocab_size=_vocab_size(pretrained_dir))
+    chain = load_pretrained(pretrained_dir, data=data, micro_batch_size=micro_batch_size)  # example: data's
     return chain, data(micro_batch_size, seed, micro_batches, data_parallel)
+
+
+def _vocab_size(pretrained_dir: str) -> int:
+    architecture(pretrained_dir)  # a clear error for a directory that is not a saved model
+    return int(json.loads((Path(pretrained_dir) / "config.json").read_text())["vocab_size"])
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -185,3 +185,17 @@ def _gpt2_classifier() -> nn.Module:
     import transformers
 
     return transformers.GPT2ForSequenceClassification(tiny("GPT2LMHeadModel").config)
+
+
+def test_example_defaults_to_a_micro_batch_of_the_data():
+    from chimera.data.base import FunctionDataset
+
+    def data(micro_batch_size: int, seed: int, microbatches: int, data_parallel: int) -> FunctionDataset:
+        ids = torch.randint(0, 64, (micro_batch_size, 8), generator=torch.Generator().manual_seed(seed))
+        return FunctionDataset(lambda s, m, r: ({"input_ids": ids}, {"labels": ids}))
+
+    chain = decompose(tiny("GPT2LMHeadModel"), data=data, micro_batch_size=3)
+    assert chain.example[0]["input_ids"].shape == (3, 8) and chain.data is data  # not the default seq_len
+    x, y = _images()
+    cnn = decompose(vgg(), loss=nn.functional.cross_entropy, data=lambda b, s, n, w: FunctionDataset(lambda *a: (x, y)))
+    assert torch.equal(cnn.example[0], x)

@@ -50,8 +50,11 @@ def decompose(model: nn.Module | Sequence[nn.Module], example: tuple[Any, Any] |
               seq_len: int = 128, micro_batch_size: int = 2) -> DecomposedChain:
     """``model`` as a layer chain (module docstring). ``example``: one micro-batch ``(inputs, labels)``;
     ``loss(last output, labels)``: the micro-batch mean; ``data``: the chain's dataset factory (optional);
-    ``seq_len`` / ``micro_batch_size``: the default example of a transformers model. Raises
+    without ``example``, a micro-batch of ``micro_batch_size`` samples from ``data``, or for a transformers model
+    random tokens (``seq_len`` of them; the data's sequence length must be the example's). Raises
     :class:`ChainError` naming the module that cannot be split and what to do instead."""
+    if example is None and data is not None:
+        example = data(micro_batch_size, 0, 1, 1).get(0, 0, 0)  # a real micro-batch: the data's sequence length
     arch = _transformers_class(model)
     if arch is not None:
         return _decompose_transformers(model, arch, example, loss, name, data, seq_len, micro_batch_size)
@@ -191,7 +194,8 @@ def _decompose_transformers(model: nn.Module, arch: str, example: tuple[Any, Any
     if example is None:
         max_pos = int(getattr(config, "max_position_embeddings", seq_len))
         if not 1 <= seq_len <= max_pos:
-            raise ChainError(f"decompose: seq_len={seq_len} does not fit {arch} (max_position_embeddings={max_pos})")
+            raise ChainError(f"decompose: seq_len={seq_len} does not fit {arch} (max_position_embeddings={max_pos}); "
+                             f"give a seq_len in [1, {max_pos}]")
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, int(config.vocab_size), (micro_batch_size, seq_len), generator=gen)
         example = ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, split.labels_for(ids))
