@@ -3,7 +3,8 @@
 
 A checkpoint is one directory ``DIR/step-00000006`` (6 steps done) written with torch.distributed.checkpoint
 (DCP): every rank writes its own file of what it owns, rank 0 writes DCP's ``.metadata``; then rank 0 adds
-``manifest.json`` (identity, layout, step, optimizer groups, LR schedule, SHA-256 of every file). Keys:
+``manifest.json`` (identity, layout, step, optimizer groups, LR schedule, SHA-256 of every file and, for a chain
+made by :func:`chimera.models.decompose.decompose`, its ``source`` record, which :mod:`chimera.export` reads). Keys:
 
 * ``layer{i}.{param}`` and ``optim.layer{i}.{param}.{state}``: parameters and optimizer state of layer ``i``,
   written once (by the replica of the stage in the first pipe of data-parallel group 0; replicas are bitwise
@@ -139,8 +140,10 @@ class Checkpointer:
     def _manifest(self, steps_done: int) -> dict[str, Any]:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.stages.optimizer.param_groups]
         sched = {k: v for k, v in self.stages.lr_schedule.state_dict().items() if k != "lr_lambdas"}
+        source = getattr(self.job.chain, "source", None)  # a decomposed model's original names (chimera.export)
         return {"format": FORMAT, "step": steps_done, "identity": identity(self.job), "layout": layout(self.job),
-                "optimizer_groups": groups, "lr_schedule": sched, "world_size": self.job.world_size}
+                "optimizer_groups": groups, "lr_schedule": sched, "world_size": self.job.world_size,
+                **({"source": source} if source is not None else {})}
 
     def _write(self, steps_done: int, state: dict[str, Any], manifest: dict[str, Any] | None) -> None:
         try:

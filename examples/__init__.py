@@ -1,0 +1,1 @@
+"""Example chain factories (``chimera train --chain examples.MODULE:factory``)."""
