@@ -27,6 +27,7 @@ from chimera.profile.format import CommProfile
 from ray_launch.actor import WorkerActor
 from ray_launch.config import LaunchConfig
 from ray_launch.driver import _gather, connect, reserve, worker_env
+from ray_launch.rendezvous import FileRendezvous, on_driver_node
 
 
 def measure_comm_ray(world: int, device: str = "cpu", launch: LaunchConfig | None = None, *,
@@ -42,19 +43,26 @@ def measure_comm_ray(world: int, device: str = "cpu", launch: LaunchConfig | Non
     log = log or (lambda msg: None)
     started = connect(launch, world)
     pg, actors = None, []
+    rendezvous: FileRendezvous | None = None
     try:
         bundle = {"CPU": 1.0, "GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
         pg, node_of_rank = reserve(world, bundle, launch, world, log)
-        env = worker_env(launch)
+        local = on_driver_node(node_of_rank)
+        env = worker_env(launch, local=local)
         options = {"runtime_env": {"env_vars": env}} if env else {}
         actors = [WorkerActor.options(num_cpus=1, num_gpus=bundle.get("GPU", 0), **options,
                                       scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
                                       ).remote() for r in range(world)]
-        loopback = started or ray.util.get_node_ip_address() in ("127.0.0.1", "localhost")
-        # the first call waits for the actor process to start (imports torch)
-        host, port = _gather([actors[0].rendezvous_address.remote(loopback)], "rendezvous",
-                             launch.connect_timeout_s + timeout_s)[0]
-        refs = [a.probe_comm.remote(r, world, f"tcp://{host}:{port}", device, tuple(sizes), reps, timeout_s)
+        if local:  # every worker on the driver's node: rendezvous through a file, no TCPStore socket
+            rendezvous = FileRendezvous()
+            init = rendezvous.init_method
+        else:
+            loopback = started or ray.util.get_node_ip_address() in ("127.0.0.1", "localhost")
+            # the first call waits for the actor process to start (imports torch)
+            host, port = _gather([actors[0].rendezvous_address.remote(loopback)], "rendezvous",
+                                 launch.connect_timeout_s + timeout_s)[0]
+            init = f"tcp://{host}:{port}"
+        refs = [a.probe_comm.remote(r, world, init, device, tuple(sizes), reps, timeout_s)
                 for r, a in enumerate(actors)]
         results = _gather(refs, "communication probe", launch.connect_timeout_s + 2 * timeout_s)
     finally:
@@ -64,6 +72,8 @@ def measure_comm_ray(world: int, device: str = "cpu", launch: LaunchConfig | Non
         if pg is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
+        if rendezvous is not None:
+            rendezvous.close()
         if started and ray.is_initialized():
             ray.shutdown()
     return fit_comm(results, "nccl" if device == "cuda" else "gloo", describe(results, launch.placement))

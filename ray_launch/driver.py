@@ -39,6 +39,7 @@ from chimera.runtime.launch import WorkerError
 from ray_launch.actor import WorkerActor
 from ray_launch.config import LaunchConfig
 from ray_launch.placement import PlacementError, assign, cluster_nodes, format_map, run_pre_commands
+from ray_launch.rendezvous import FileRendezvous, keep_on_loopback, on_driver_node
 
 
 class RunError(RuntimeError):
@@ -161,11 +162,12 @@ def job_runtime_env(launch: LaunchConfig) -> dict[str, Any] | None:
     return {"py_modules": [str(Path(chimera.__file__).parent), str(Path(ray_launch.__file__).parent)]}
 
 
-def worker_env(launch: LaunchConfig) -> dict[str, str]:
-    """Environment of the workers: the driver's NCCL_*/GLOO_* variables and ``--env``."""
+def worker_env(launch: LaunchConfig, local: bool = False) -> dict[str, str]:
+    """Environment of the workers: the driver's NCCL_*/GLOO_* variables and ``--env``; a ``local`` run's gloo
+    uses the loopback interface unless GLOO_SOCKET_IFNAME is set (``ray_launch.rendezvous``)."""
     env = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_"))}
     env.update(e.split("=", 1) for e in launch.env)
-    return env
+    return keep_on_loopback(env) if local else env
 
 
 def reserve(world: int, bundle: dict[str, float], launch: LaunchConfig, workers: int, log: Any
@@ -216,6 +218,7 @@ class RayJob:
         self.connect_timeout_s = self.launch.connect_timeout_s
         self.started_ray = False
         self.pg = None
+        self.rendezvous: FileRendezvous | None = None
         self.actors: list[Any] = []
         self.infos: list[dict[str, Any]] = []
         self.clock_offsets: list[float] = []
@@ -247,7 +250,7 @@ class RayJob:
         world = self.job.world_size
         options: dict[str, Any] = {}
         runtime_env: dict[str, Any] = {}
-        env = worker_env(self.launch)
+        env = worker_env(self.launch, local=on_driver_node(self.node_of_rank))
         if env:
             runtime_env["env_vars"] = env
             self.log("worker environment: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
@@ -269,11 +272,15 @@ class RayJob:
 
     def _setup(self) -> None:
         timeout, world = self.job.run.timeout_s, self.job.world_size
-        loopback = self.started_ray or ray.util.get_node_ip_address() in ("127.0.0.1", "localhost")
-        # the first call waits for the actor process to start (imports torch): allow for a loaded machine
-        host, port = _gather([self.actors[0].rendezvous_address.remote(loopback)], "rendezvous",
-                             self.connect_timeout_s + timeout)[0]
-        init = f"tcp://{host}:{port}"
+        if on_driver_node(self.node_of_rank):  # a local run: no TCPStore listening on every interface
+            self.rendezvous = FileRendezvous()
+            init = self.rendezvous.init_method
+        else:
+            loopback = self.started_ray or ray.util.get_node_ip_address() in ("127.0.0.1", "localhost")
+            # the first call waits for the actor process to start (imports torch): allow for a loaded machine
+            host, port = _gather([self.actors[0].rendezvous_address.remote(loopback)], "rendezvous",
+                                 self.connect_timeout_s + timeout)[0]
+            init = f"tcp://{host}:{port}"
         job = ray.put(self.job)
         refs = [a.setup.remote(job, r, world, init) for r, a in enumerate(self.actors)]
         self.infos = _gather(refs, "setup", timeout + self.connect_timeout_s)
@@ -311,6 +318,8 @@ class RayJob:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)
             self.pg = None
+        if self.rendezvous is not None:
+            self.rendezvous.close()
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
             self.started_ray = False

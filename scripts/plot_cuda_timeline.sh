@@ -1,12 +1,36 @@
-#!/usr/bin/env bash
+#!/bin/sh
 # (Re)build the timeline plots, Chrome trace and summary of a profiled run from its saved events.
-#   scripts/plot_cuda_timeline.sh NAME                       # profiles/NAME.events.json
-#   scripts/plot_cuda_timeline.sh NAME --sqlite run.sqlite   # GPU kernel times from an Nsight SQLite export
-#   scripts/plot_cuda_timeline.sh NAME --dir other/profiles
-set -euo pipefail
-if [ $# -lt 1 ]; then
-  echo "usage: $0 NAME [--sqlite FILE] [--dir DIR]" >&2
-  exit 2
+#   scripts/plot_cuda_timeline.sh                              # the newest profiles/*.events.json (says which)
+#   scripts/plot_cuda_timeline.sh NAME                         # profiles/NAME.events.json
+#   scripts/plot_cuda_timeline.sh NAME --sqlite run.sqlite     # GPU kernel times from an Nsight SQLite export
+#   scripts/plot_cuda_timeline.sh [NAME] --dir other/profiles  # another folder (the newest there without NAME)
+# NAME may also be a path to NAME.events.json. Relative paths are taken from the current directory; the default
+# folder is the repository's profiles/. POSIX sh: `sh scripts/plot_cuda_timeline.sh` (dash) works as well as bash.
+set -eu
+root=$(cd "$(dirname "$0")/.." && pwd)
+dir=$root/profiles
+name=
+if [ $# -gt 0 ]; then
+  case $1 in -*) ;; *) name=$1; shift ;; esac
 fi
-cd "$(dirname "$0")/.."
-exec python -m chimera.cli timeline plot "$@"
+prev=
+for arg in "$@"; do  # the folder to look in, for the newest events file
+  case $arg in --dir=*) dir=${arg#--dir=} ;; esac
+  [ "$prev" = --dir ] && dir=$arg
+  prev=$arg
+done
+py=$(command -v python || command -v python3) || { echo "plot_cuda_timeline.sh: no python on PATH" >&2; exit 2; }
+if [ -z "$name" ]; then
+  name=$("$py" -c 'import glob, os, sys
+found = glob.glob(os.path.join(sys.argv[1], "*.events.json"))
+print(max(found, key=os.path.getmtime) if found else "")' "$dir")
+  if [ -z "$name" ]; then
+    echo "plot_cuda_timeline.sh: no *.events.json in $dir; profile a run with --profile first, or give NAME" >&2
+    echo "usage: $0 [NAME] [--sqlite FILE] [--dir DIR]" >&2
+    exit 2
+  fi
+  echo "plot_cuda_timeline.sh: no NAME given: re-plotting the newest, $name" >&2
+fi
+PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH
+exec "$py" -m chimera.cli timeline plot "$name" --dir "$dir" "$@"

@@ -5,6 +5,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,26 @@ def test_plot_script_rebuilds_from_saved_events(profiled):
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert paths["png"].exists()
+
+
+def test_plot_script_under_sh_replots_the_newest_without_name(profiled, tmp_path):
+    _, _, paths = profiled
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    saved = json.loads(paths["events"].read_text())
+    for name, age in (("older", 100), ("newer", 0)):
+        f = runs / f"{name}.events.json"
+        f.write_text(json.dumps({**saved, "meta": {**saved["meta"], "name": name}}))
+        os.utime(f, (time.time() - age, time.time() - age))
+    script = str(ROOT / "scripts" / "plot_cuda_timeline.sh")
+    p = subprocess.run(["sh", script, "--dir", "runs"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "no NAME given: re-plotting the newest, runs/newer.events.json" in p.stderr
+    assert (runs / "newer.png").exists() and not (runs / "older.png").exists()
+    p = subprocess.run(["sh", script, "older", "--dir=runs"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and (runs / "older.png").exists(), p.stderr
+    p = subprocess.run(["sh", script, "--dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and f"no *.events.json in {tmp_path}; profile a run with --profile" in p.stderr
 
 
 NSYS_STUB = """#!/usr/bin/env bash

@@ -138,6 +138,13 @@ def prepare_wikipedia(dump: str | Path, out: str | Path, *, workers: int = 1, ma
     """
     dump, out = Path(dump), Path(out)
     raw = _open_dump(dump)
+    try:  # a fresh clone has no data/ yet
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raw.close()
+        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or e
+        raise PrepareError(f"-o {out}: cannot create its folder {out.parent} ({why}); pick another output path"
+                           ) from None
     stats = PrepareStats()
     pool = mp.get_context("spawn").Pool(workers) if workers > 1 else None
     bar = tqdm(total=dump.stat().st_size, unit="B", unit_scale=True, desc=f"prepare {dump.name}",

@@ -1,0 +1,141 @@
+"""Loopback means loopback: a local run and the head of scripts/start_ray.sh listen on 127.0.0.1 only, and
+shutdown.sh (run by sh, which is dash on Debian) stops every process of that head, the Ray client server
+included, and nothing else.
+
+The processes are found independently of the code under test: the run's (or the script's) process tree, the
+processes whose command line names its temp dir, and those carrying a tag this test puts in their environment.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ray_launch.config import LaunchConfig
+from ray_launch.driver import worker_env
+from tests.procs import TAG, alive, family, head_env, listeners, not_loopback
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Sampler(threading.Thread):
+    """Polls the listeners and titles of a run's processes until stopped."""
+
+    def __init__(self, root: int, marks: tuple[str, ...], period_s: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.root, self.marks, self.period_s = root, marks, period_s
+        self.listening: dict[tuple[str, int], str] = {}
+        self.titles: set[str] = set()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            procs = family([self.root], self.marks)
+            for p in procs.values():
+                try:
+                    self.titles.add(" ".join(p.cmdline()).strip()[:80])
+                except psutil.Error:
+                    continue
+            for key, who in listeners(procs).items():
+                self.listening.setdefault(key, who)
+            self.done.wait(self.period_s)
+
+
+def test_local_run_listens_on_loopback_only(tmp_path):
+    ray_tmp = tempfile.mkdtemp(prefix="chl-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, TAG: tag}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    cmd = [sys.executable, "scripts/prof_steps_ray.py", "--model", "bert-tiny", "--corpus", "synthetic", "--stages",
+           "2", "--micro-batches", "2", "--seq-len", "16", "--steps", "40", "--no-progress",
+           "--out", str(tmp_path / "metrics.jsonl")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sampler = Sampler(proc.pid, (ray_tmp, f"{TAG}={tag}"))
+    sampler.start()
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        sampler.done.set()
+        sampler.join(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, out[-3000:]
+    assert any("WorkerActor.step" in t for t in sampler.titles), f"no sample during the steps: {sampler.titles}"
+    assert any("WorkerActor" in who for who in sampler.listening.values())  # gloo's pairs were seen
+    bad = not_loopback(sampler.listening)
+    assert not bad, "listening beyond loopback during a local run:\n" + "\n".join(bad)
+
+
+def test_comm_probe_on_the_driver_node_listens_on_loopback_only(ray_session):
+    from ray_launch.commprobe import measure_comm_ray
+
+    sampler = Sampler(os.getpid(), ())  # the session's Ray runs under this process
+    sampler.start()
+    try:
+        comm = measure_comm_ray(2, "cpu", LaunchConfig(), sizes=(1024, 1 << 20), reps=3, timeout_s=60)
+    finally:
+        sampler.done.set()
+        sampler.join(timeout=30)
+    assert comm.where.startswith("ray: 1 node, 2 workers (pack): ")
+    assert any("WorkerActor" in who for who in sampler.listening.values())  # gloo's pairs were seen
+    bad = not_loopback(sampler.listening)
+    assert not bad, "listening beyond loopback during a local communication probe:\n" + "\n".join(bad)
+
+
+def test_local_workers_use_the_loopback_interface_unless_told(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert worker_env(LaunchConfig(), local=True)["GLOO_SOCKET_IFNAME"] == "lo"
+    assert "GLOO_SOCKET_IFNAME" not in worker_env(LaunchConfig(), local=False)  # across nodes: the node's address
+    assert worker_env(LaunchConfig(env=("GLOO_SOCKET_IFNAME=eth1",)), local=True)["GLOO_SOCKET_IFNAME"] == "eth1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth2")
+    assert worker_env(LaunchConfig(), local=True)["GLOO_SOCKET_IFNAME"] == "eth2"
+
+
+def test_start_ray_head_on_loopback_and_shutdown_stops_all_of_it(tmp_path):
+    tag = uuid.uuid4().hex
+    env = head_env(tmp_path, tag)
+    state = tmp_path / "state.json"
+    marks = (env["CHIMERA_RAY_TMP"], f"{TAG}={tag}")
+    # a bystander naming the head's temp dir (like a `tail -f` of its logs): shutdown.sh must leave it alone
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", env["CHIMERA_RAY_TMP"]])
+    try:
+        p = subprocess.run([str(ROOT / "scripts" / "start_ray.sh")], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=240)
+        assert p.returncode == 0, p.stderr[-3000:]
+        head = {pid: q for pid, q in family([], marks).items() if pid != bystander.pid}
+        assert any("ray.util.client.server" in " ".join(q.cmdline()) for q in head.values()), \
+            "the Ray client server is not among the head's processes"
+        listening = listeners(head)
+        client_port = int(env["CHIMERA_RAY_CLIENT_PORT"])
+        assert [ip for ip, port in listening if port == client_port], f"nothing on {client_port}: {listening}"
+        bad = not_loopback(listening)
+        assert not bad, "the head listens beyond loopback:\n" + "\n".join(bad)
+
+        stop = subprocess.run(["sh", "shutdown.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0, stop.stderr
+        assert "stopped" in stop.stdout
+        time.sleep(1)
+        head.update({k: v for k, v in family([], marks).items() if k != bystander.pid})
+        left = alive(head)
+        assert not left, f"left running after shutdown.sh: {left}"
+        assert bystander.poll() is None, "shutdown.sh stopped a process it did not start"
+        assert not state.exists()
+    finally:
+        if state.exists():
+            subprocess.run(["sh", "shutdown.sh"], cwd=ROOT, env=env, capture_output=True, timeout=120)
+        bystander.kill()
+        bystander.wait(timeout=30)
+        shutil.rmtree(env["CHIMERA_RAY_TMP"], ignore_errors=True)
