@@ -3,9 +3,9 @@
     import chimera
     model = chimera.LayerChain(layers, loss=nn.functional.cross_entropy, example=batch(0, 0, 0))
     run = chimera.train(model, batch, schedule="chimera", stages=4, micro_batches=8, steps=30)
-    for rec in run:                    # each step's record as it is made
+    run.records[-1]["loss"], run.model # every step's record; the trained model (all layers in one module)
+    for rec in chimera.train(model, batch, steps=30, wait=False):   # each record as it is made
         print(rec["step"], rec["loss"])
-    run.model                          # the trained model (all layers in one module), once the run is done
 
     chimera.train(model="bert-tiny", stages=2, micro_batches=4, steps=3)    # a preset, as ``chimera train``
 
@@ -70,8 +70,8 @@ def assemble(job: Job, states: dict[int, dict[tuple[str, int], dict[str, torch.T
 class Run:
     """A training run on local processes, started at once in the background (:func:`train`).
 
-    Iterate it for each step's record as it is made; :attr:`records` and :attr:`model` wait for the end. A worker's
-    failure is raised where the run is read.
+    Iterate it for each step's record as it is made; :meth:`wait`, :attr:`model`, ``len`` and indexing wait for the
+    end. A worker's failure is raised where the run is read.
     """
 
     def __init__(self, job: Job, return_model: bool = True) -> None:
@@ -79,7 +79,7 @@ class Run:
         self.records: list[dict[str, Any]] = []
         self._model: SequentialModel | None = None
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._read = 0
+        self._done = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(return_model,), daemon=True, name="chimera-run")
         self._thread.start()
@@ -93,13 +93,16 @@ class Run:
         self._queue.put(("end", None))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        while self._read < len(self.records) or self._thread.is_alive() or not self._queue.empty():
-            if self._read < len(self.records):
-                self._read += 1
-                yield self.records[self._read - 1]
-                continue
-            if not self._take():
-                break
+        """Every record from the first, each as soon as it is made."""
+        read = 0
+        while True:
+            if read < len(self.records):
+                read += 1
+                yield self.records[read - 1]
+            elif self._done or not self._take():
+                if self._error is not None:
+                    raise self._error
+                return
 
     def _take(self) -> bool:
         """Handle one message of the background run; False at its end."""
@@ -110,11 +113,9 @@ class Run:
             self._model = assemble(self.job, payload)
         elif kind == "error":
             self._error = payload
-            raise payload
         elif kind == "end":
-            if self._error is not None:
-                raise self._error
             self._thread.join()
+            self._done = True
             return False
         return True
 
@@ -122,6 +123,8 @@ class Run:
         """Run to the end (raises a worker's failure); returns self."""
         for _ in self:
             pass
+        if self._error is not None:
+            raise self._error
         return self
 
     @property
@@ -140,7 +143,9 @@ class Run:
 
 
 def train(chain: LayerChain | None = None, data: Any = None, *, config: TrainConfig | None = None,
-          return_model: bool = True, **fields: Any) -> Run:
-    """Train with one process per worker on this machine (module docstring); returns the :class:`Run`, already
-    started. Raises :class:`ConfigError` before any worker starts."""
-    return Run(build_job(chain, data, config=config, **fields), return_model)
+          wait: bool = True, return_model: bool = True, **fields: Any) -> Run:
+    """Train with one process per worker on this machine (module docstring). Returns the :class:`Run` when it has
+    ended (``wait``; its failure raised here), or at once (``wait=False``: iterate it for the records as they are
+    made). Raises :class:`ConfigError` before any worker starts."""
+    run = Run(build_job(chain, data, config=config, **fields), return_model)
+    return run.wait() if wait else run

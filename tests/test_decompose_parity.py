@@ -3,7 +3,7 @@
 
 import pytest
 
-from chimera.api import chain_job
+from chimera.api import build_job as chain_job
 from chimera.models.decompose import decompose
 from chimera.runtime import run_local, stage_params_by_layer, train_sequential
 from tests.hf_models import SEQ, batch, tiny
