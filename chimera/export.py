@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from chimera.models.decompose import load_layers
 from chimera.runtime.checkpoint import CheckpointError, load, read
 
 #: files of a save_pretrained directory that travel with the weights (tokenizer, generation defaults)
@@ -141,8 +142,6 @@ def _torch_state(chain: Any, state: dict[str, torch.Tensor], source: dict[str, A
                  ) -> dict[str, torch.Tensor]:
     """A non-transformers chain's ``state_dict`` in the model's names: parameters from the checkpoint, buffers from
     the chain's modules."""
-    from chimera.models.decompose import load_layers
-
     layers = chain.build_layers(range(chain.num_layers), seed=manifest["identity"]["seed"])
     load_layers(layers, state)
     out: dict[str, torch.Tensor] = {}

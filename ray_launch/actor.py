@@ -9,8 +9,10 @@ from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
 
 from chimera.job import Job
+from chimera.profile.comm import comm_probe
 from chimera.runtime import PipelineWorker, StepResult
 
 
@@ -67,10 +69,6 @@ class WorkerActor:
         """Join a process group of ``world`` probe actors and run :func:`chimera.profile.comm.comm_probe`; its
         samples, with this worker's node id and address."""
         from datetime import timedelta
-
-        import torch.distributed as dist
-
-        from chimera.profile.comm import comm_probe
 
         dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init_method, rank=rank,

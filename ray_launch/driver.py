@@ -29,6 +29,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+import chimera
+import ray_launch
 from chimera.checkpoint import remove_partial
 from chimera.config import ConfigError
 from chimera.job import Job
@@ -128,7 +130,7 @@ def connect(launch: LaunchConfig, world: int) -> bool:
         return False
     if not launch.address:
         ray.init(address="local", num_cpus=max(world, os.cpu_count() or 1), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=True)
+                 _node_ip_address="127.0.0.1", log_to_driver=True, runtime_env=job_runtime_env(launch))
         return True
     timeout = launch.connect_timeout_s
     _check_reachable(launch.address, min(10.0, timeout))
@@ -152,14 +154,12 @@ def connect(launch: LaunchConfig, world: int) -> bool:
 
 
 def job_runtime_env(launch: LaunchConfig) -> dict[str, Any] | None:
-    """Ship chimera's packages to every node (``py_modules``) when joining a cluster, unless told not to."""
+    """Ship chimera's packages to every node (``py_modules``) when joining a cluster, unless told not to, and the
+    user's own modules (``--py-modules``: what ``--chain`` imports) always."""
     ship = launch.ship_code if launch.ship_code is not None else bool(launch.address)
-    if not ship:
-        return None
-    import chimera
-    import ray_launch
-
-    return {"py_modules": [str(Path(chimera.__file__).parent), str(Path(ray_launch.__file__).parent)]}
+    ours = [str(Path(chimera.__file__).parent), str(Path(ray_launch.__file__).parent)] if ship else []
+    modules = ours + [str(Path(m).resolve()) for m in launch.py_modules]
+    return {"py_modules": modules} if modules else None
 
 
 def worker_env(launch: LaunchConfig, local: bool = False) -> dict[str, str]:

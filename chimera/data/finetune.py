@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from chimera.data.base import mix_seed, permute
-from chimera.data.corpus import check_text_file
+from chimera.data.corpus import CorpusError, check_text_file
 
 PAIR_HEADER = ("Quality", "#1 ID", "#2 ID", "#1 String", "#2 String")
 
@@ -129,8 +129,6 @@ def _heading_level(line: str, path: Path, n: int) -> int:
 
 
 def _check_text(p: Path, layout: str) -> None:
-    from chimera.data.corpus import CorpusError
-
     try:
         check_text_file(p)
     except CorpusError as e:

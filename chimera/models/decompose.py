@@ -32,6 +32,7 @@ from torch import nn
 
 from chimera.microbatch import rows, tensors
 from chimera.models.chain import ChainError, DataFactory, LayerChain, Loss, Tied, call
+from chimera.models.hf import ARCHITECTURES
 
 SOURCE_FORMAT = 1
 
@@ -184,8 +185,6 @@ def source_record(root: nn.Module, layers: Sequence[nn.Module], *, kind: str, ar
 def _decompose_transformers(model: nn.Module, arch: str, example: tuple[Any, Any] | None, loss: Loss | None,
                             name: str | None, data: DataFactory | None, seq_len: int, micro_batch_size: int
                             ) -> DecomposedChain:
-    from chimera.models.hf import ARCHITECTURES
-
     if arch not in ARCHITECTURES or not type(model).__module__.startswith("transformers."):
         raise ChainError(f"decompose: {type(model).__module__}.{arch} (module path '', the model itself) is not a "
                          f"transformers architecture chimera can split; supported: {', '.join(sorted(ARCHITECTURES))}")

@@ -18,6 +18,7 @@ from typing import Any
 
 from chimera.models.chain import ChainError, DataFactory, Loss
 from chimera.models.decompose import DecomposedChain, decompose
+from chimera.models.hf import ARCHITECTURES
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -29,8 +30,6 @@ class PretrainedError(ChainError):
 def architecture(path: str | Path) -> str:
     """The transformers class named by ``path/config.json`` (its first ``architectures`` entry), checked to be one
     that chimera splits and to have weights next to it."""
-    from chimera.models.hf import ARCHITECTURES
-
     p = Path(path)
     if not p.is_dir():
         raise PretrainedError(f"{p}: no such directory (give a directory written by save_pretrained)")

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from chimera.profile.format import CommProfile, Link, ProfileError
 from chimera.profile.timing import evict_caches
+from chimera.util.processes import LocalProcesses
 
 #: message sizes in bytes: 1 KiB, 4 KiB, ..., 16 MiB
 SIZES = tuple(1024 * 4**k for k in range(8))
@@ -158,8 +159,6 @@ def _local_main(rank: int, world: int, init: str, backend: str, sizes: Sequence[
 def measure_comm_local(world: int = 2, backend: str = "gloo", *, sizes: Sequence[int] = SIZES, reps: int = 3,
                        timeout_s: float = 120.0) -> CommProfile:
     """Run :func:`comm_probe` in ``world`` processes on this machine (NCCL: one GPU per process)."""
-    from chimera.util.processes import LocalProcesses
-
     if world < 2:
         raise ProfileError(f"a communication probe needs at least 2 processes, got {world}")
     results: dict[int, Any] = {}

@@ -42,8 +42,10 @@ from chimera.profile.format import (
     Timing,
     fingerprint,
 )
+from chimera.profile.memory import probe_max_micro_batch_size
 from chimera.profile.timing import PACE_TIMEOUT_S, evict_caches, measure, optimizer_costs, set_pace
 from chimera.util.host_memory import StepCollector, keep_freed_memory
+from chimera.util.processes import LocalProcesses, forkserver_context
 
 BACKWARDS = {"backward_input": (True, False), "backward_weight": (False, True), "backward": (True, True)}
 
@@ -77,8 +79,6 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
     notes: list[str] = []
     max_mbs = memory = None
     if dev.type == "cuda" and probe_memory:
-        from chimera.profile.memory import probe_max_micro_batch_size
-
         probe = probe_max_micro_batch_size(chain, sizes[-1], device=str(dev), seed=seed, amp=amp)
         max_mbs, memory = probe.max_micro_batch_size, probe.device_memory_bytes
         notes.append(f"max micro-batch size probed (whole chain forward+backward, no optimizer state): "
@@ -113,8 +113,6 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
 def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str, Any]) -> Profile:
     """``profile_chain`` in ``n`` processes at once; the profile of the slowest (largest summed timings)."""
     import cloudpickle
-
-    from chimera.util.processes import LocalProcesses, forkserver_context
 
     packed = cloudpickle.dumps((chain, list(sizes), kw))
     results: list[dict[str, Any]] = []

@@ -29,6 +29,7 @@ from chimera.microbatch import map_tensors, repeated
 from chimera.models.chain import LayerChain
 from chimera.models.stage import SequentialModel
 from chimera.profile.format import ProfileError
+from chimera.util.processes import forkserver_context, main_not_rerun
 
 
 @dataclass
@@ -71,8 +72,6 @@ def probe_max_micro_batch_size(chain: LayerChain, start: int, *, device: str = "
                                ) -> MemoryProbe:
     """Search the largest micro-batch size whose forward+backward of the whole chain fits on ``device``, one
     fresh process per probed size. Any error other than running out of memory is raised as ProfileError."""
-    from chimera.util.processes import forkserver_context, main_not_rerun
-
     packed = cloudpickle.dumps(chain)
     ctx = forkserver_context()
     result = MemoryProbe(None, None)

@@ -11,8 +11,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from chimera.schedule.ir import Action, Kind, Schedule, from_rows
+from chimera.schedule.ir import Action, Kind, Schedule, ScheduleConfigError, from_rows
 from chimera.schedule.torchpp import TorchCsvError, is_torch_csv, read_torch_csv
+from chimera.schedule.validate import ScheduleError, validate
 
 
 def to_csv(schedule: Schedule) -> str:
@@ -94,9 +95,6 @@ def load_schedule_file(path: str, stages: int, microbatches: int) -> Schedule:
     A torch CSV has one row per rank (``stages`` is the number of ranks) and may name more stages than ranks (the
     model is cut into as many stages as it names); its sends, receives and FSDP actions are dropped, with a
     warning that says so (:mod:`chimera.schedule.torchpp`)."""
-    from chimera.schedule.generators import ScheduleConfigError
-    from chimera.schedule.validate import ScheduleError, validate
-
     try:
         text = Path(path).read_text()
     except OSError as e:

@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 
 from chimera.schedule.ir import Action, Kind, Schedule
 from chimera.schedule.kinds import PARTS, SPECS, Address
+from chimera.schedule.lowering import lower
 from chimera.schedule.replay import Replay, message_key
 
 
@@ -156,8 +157,6 @@ def _check_channels(s: Schedule) -> None:
 
 def validate(schedule: Schedule) -> Schedule:
     """Check ``schedule``; return it unchanged when valid, else raise :class:`ScheduleError`."""
-    from chimera.schedule.lowering import lower
-
     _check_structure(schedule)
     run = schedule
     if schedule.lowered:

@@ -15,6 +15,8 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
+from chimera.models.chain import ChainError
+
 
 def causal_mask(config: Any, hidden: torch.Tensor, padding: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> Any:
@@ -84,8 +86,6 @@ class Split:
 
 def refuse_module(model: nn.Module, path: str, why: str) -> NoReturn:
     """Raise the :class:`~chimera.models.chain.ChainError` for a part of ``model`` that cannot be split."""
-    from chimera.models.chain import ChainError
-
     raise ChainError(f"decompose: {type(model).__name__} cannot be split at module {path!r}: {why}")
 
 
