@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
+from chimera.checkpoint import CheckpointError, read
 from chimera.models.decompose import load_layers
-from chimera.runtime.checkpoint import CheckpointError, load, read
+from chimera.runtime.checkpoint import load
 
 #: files of a save_pretrained directory that travel with the weights (tokenizer, generation defaults)
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",

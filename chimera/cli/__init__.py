@@ -7,6 +7,7 @@
     chimera plan --model bert-tiny --profile-file profiles/bert-tiny.profile.json --workers 4
     chimera data prepare enwiki-latest-pages-articles.xml.bz2 -o data/wikipedia.segmented.txt
     chimera timeline plot NAME
+    chimera export ckpt --hf gpt2-tuned
     chimera train --model bert-base --corpus data/wikipedia.segmented.txt   # added by the Ray layer (ray_launch)
 
 A command's module is loaded only when it runs (``chimera schedule`` imports no torch); another package adds its
@@ -30,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("chimera.cli.plan", "choose schedule, D, W, B, N, recomputation, offload and partition from a profile"),
     "data": ("chimera.cli.data", "make a training corpus: Wikipedia dump -> sentences -> tokenizers, tokens"),
     "timeline": ("chimera.cli.timeline", "timeline outputs of profiled runs"),
+    "export": ("chimera.cli.export", "write a checkpoint as a transformers directory or a torch state_dict"),
 }
 
 
