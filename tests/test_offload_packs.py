@@ -61,7 +61,7 @@ def test_a_budget_that_fits_only_with_packs():
     """Refused without packs; with packs of one layer it trains within the budget (the runtime's own peak after
     every action, with the packs held during it), like training without offload, moving the predicted bytes."""
     base = TrainConfig.from_flags(**GPT2)
-    with pytest.raises(ConfigError, match=r"--offload everything: \d+ bytes .* Change: --offload-pack 1"):
+    with pytest.raises(ConfigError, match=r"--offload everything \(prefetch 0\): \d+ bytes .* Change: --offload-pack 1"):
         compile_job(base.with_flags(memory_per_worker=BUDGET))
     job = compile_job(base.with_flags(memory_per_worker=BUDGET, offload_pack=1))
     got = run_local(job, return_state=True)

@@ -1,6 +1,6 @@
 """``chimera timeline plot``: rebuild a profiled run's trace, figure and summary from its saved events.
 
-    chimera timeline plot NAME                         # profiles/NAME.events.json
+    chimera timeline plot NAME                         # runs/*/NAME.events.json (the newest), or profiles/
     chimera timeline plot NAME --sqlite report.sqlite  # GPU kernel times from an Nsight SQLite export
 """
 
@@ -15,8 +15,19 @@ from chimera.timeline.nsight import events_from_nsys_sqlite
 from chimera.timeline.report import render
 
 
+def events_path(name: str, folder: str | None) -> Path:
+    """The events file of run ``name``: a path, ``folder/NAME.events.json``, else the newest of every run directory
+    under ``runs/`` and ``profiles/``."""
+    if name.endswith(".events.json"):
+        return Path(name)
+    if folder is not None:
+        return Path(folder) / f"{name}.events.json"
+    found = [*Path("runs").glob(f"*/{name}.events.json"), *Path("profiles").glob(f"{name}.events.json")]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else Path("runs") / "*" / f"{name}.events.json"
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
-    path = Path(args.name) if args.name.endswith(".events.json") else Path(args.dir) / f"{args.name}.events.json"
+    path = events_path(args.name, args.dir)
     if not path.is_file():
         raise UsageError(f"no saved events at {path}; profile a run with --profile first")
     try:
@@ -35,6 +46,7 @@ def add_parser(sub: Any, parser_class: type) -> None:
     tsub = tl.add_subparsers(dest="action", required=True, parser_class=parser_class)
     plot = tsub.add_parser("plot", help="rebuild trace, figure and summary of profiles/NAME.events.json")
     plot.add_argument("name", help="run name (or path to NAME.events.json)")
-    plot.add_argument("--dir", default="profiles", help="folder of the profile files (default: profiles)")
+    plot.add_argument("--dir", default=None, help="folder of the run's files (default: the newest run directory "
+                      "under runs/ with that name, else profiles/)")
     plot.add_argument("--sqlite", default=None, help="Nsight SQLite export: use GPU kernel times of the NVTX ranges")
     plot.set_defaults(func=cmd_plot)

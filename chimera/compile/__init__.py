@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from chimera.checkpoint import CheckpointError, resume_point
+from chimera.checkpoint import CheckpointError, complete, resume_point
 from chimera.compile.memory import Budget, Shapes, budget_of, memory_verdict
 from chimera.compile.model import Model, resolve_model
 from chimera.compile.names import check_names, choices
@@ -122,8 +123,15 @@ def _checkpoint(cfg: TrainConfig) -> CheckpointOptions:
 
 def _resume(cfg: TrainConfig, job: Job) -> Job:
     """The job started from ``--resume``'s checkpoint, verified against it (another model, optimizer or seed, or no
-    step left to run, is refused)."""
-    path = cfg.checkpoint.resume
+    step left to run, is refused). A ``--checkpoint-dir`` that holds another run's checkpoints is refused: a run
+    writes into a directory it resumes from, or a new one."""
+    path, root = cfg.checkpoint.resume, job.checkpoint.dir
+    if root is not None and complete(root):
+        ours = path is not None and Path(path).resolve().is_relative_to(Path(root).resolve())
+        if not ours:
+            raise ConfigError(f"--checkpoint-dir {cfg.checkpoint.dir} holds another run's checkpoints (the newest: "
+                              f"{complete(root)[-1].name}): continue that run with --resume {cfg.checkpoint.dir}, or "
+                              "give a new --checkpoint-dir")
     if path is None:
         return job
     try:

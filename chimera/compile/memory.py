@@ -19,7 +19,7 @@ from typing import Any
 
 from chimera.config import ConfigError, TrainConfig
 from chimera.offload.lowering import lower
-from chimera.offload.policy import Offload, ladder
+from chimera.offload.policy import EVERYTHING, Offload, ladder
 from chimera.plan.fit import available_memory, fit_offload
 from chimera.plan.memory import WorkerMemory, worker_memory
 from chimera.profile import Profile
@@ -79,11 +79,18 @@ def budget_of(cfg: TrainConfig, world: int) -> Budget:
     return Budget(have[0], have[1], False) if have else Budget(None, "unknown", False)
 
 
-def _configured(cfg: TrainConfig, stages: int) -> list[Offload]:
-    """The offload policies to try, least first: the configured one, or (``auto``) every level of the ladder."""
+def _configured(cfg: TrainConfig, stages: int, split: bool = False, most_layers: int = 1) -> list[Offload]:
+    """The offload policies to try, least first: the configured one, or (``auto``) every level of the ladder, then,
+    for the weights, a shallower prefetch and packs of fewer and fewer layers, unless the user fixed them
+    (``--prefetch``, ``--offload-pack``; packs only with a whole backward, ``split`` False)."""
     m = cfg.memory
     if m.offload == "auto":
-        return [Offload.uniform(lv, m.prefetch, m.offload_pack) for lv in ladder()]
+        out = [Offload.uniform(lv, m.prefetch, m.offload_pack) for lv in ladder()]
+        if "prefetch" not in cfg.given and m.prefetch > 0 and not m.offload_pack:
+            out.append(Offload.uniform(EVERYTHING, 0, 0))
+        if "offload_pack" not in cfg.given and not split:
+            out += [Offload.uniform(EVERYTHING, m.prefetch, k) for k in range(most_layers - 1, 0, -1)]
+        return out
     try:
         off = Offload.parse(m.offload, m.prefetch, m.offload_pack)
         off.check(stages)
@@ -100,7 +107,8 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
     if m.offload_pack and any(a.kind.spec.part_of is not None for row in schedule.actions for a in row):
         raise ConfigError(f"--offload-pack {m.offload_pack} streams a stage's weights through one backward, but a "
                           "split backward (I, then W later) needs them twice: drop --offload-pack or --split-backward")
-    offloads = _configured(cfg, schedule.stages)
+    split = any(a.kind.spec.part_of is not None for row in schedule.actions for a in row)
+    offloads = _configured(cfg, schedule.stages, split, max(len(x) for x in stage_layers))
     exchange = t.device == "cpu"
     if budget.enforced:
         assert budget.bytes is not None

@@ -45,7 +45,8 @@ def resolve_model(cfg: TrainConfig, chain: LayerChain | None = None, data: Any =
 def _model(cfg: TrainConfig, chain: LayerChain | None, data: Any) -> Model:
     if chain is None and cfg.model.chain is not None:
         chain, made = load_chain(cfg.model.chain)
-        data = data if data is not None else made
+        if data is None and chain.data is None:  # a data factory of the chain numbers samples by this run's N, W
+            data = made
     if chain is None:
         return Model(preset_chain(cfg))
     if not isinstance(chain, LayerChain):

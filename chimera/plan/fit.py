@@ -62,13 +62,13 @@ def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Seq
         w = max(range(len(mem)), key=lambda i: mem[i].total)
         if mem[w].total <= budget:
             if per_stage and k > 0 and all(o.uniform_level for o in offloads[:k + 1]):
-                first = off.stages[0]
+                first = off.stages[0]  # the levels up to the one that fits, with its prefetch and packs
+                levels = list(dict.fromkeys(o.stages[0].level for o in offloads[:k + 1]))
                 return _least_per_stage(profile, schedule, stage_layers, unit, optimizer, recompute, budget,
-                                        [o.stages[0].level for o in offloads[:k + 1]], first.prefetch, exchange,
-                                        first.pack)
+                                        levels, first.prefetch, exchange, first.pack)
             return off, lowered, mem
         m = mem[w]
-        tried.append(f"--offload {off.text}: {m.total} bytes ({m.total / 2**20:.1f} MiB) on worker {w}: parameters "
+        tried.append(f"--offload {off.describe()}: {m.total} bytes ({m.total / 2**20:.1f} MiB) on worker {w}: parameters "
                      f"{m.params}, optimizer state {m.optimizer}, gradients {m.grads}, activations {m.activations}, "
                      f"messages {m.messages}, gradient sums {m.sync}")
     last = offloads[-1]

@@ -8,9 +8,12 @@ and sizes::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from chimera.profile import CommProfile, Profile, ProfileError
 from chimera.profile.layers import profile_chain
@@ -34,7 +37,7 @@ def cached_profile(chain: Any, sizes: Sequence[int], device: str, threads: int, 
                    progress: Callable[[str], None] | None = None) -> Profile:
     """A profile of ``chain`` at ``sizes`` on ``device`` with ``threads`` threads per process and ``concurrent``
     processes at once: the one kept in ``profiles/`` when it still matches, else a new one (taken and kept).
-    ``progress`` hears a line before a new profile is taken and when it is done."""
+    ``progress`` (a line printer) makes a new profile show a progress bar over the layers and say where it is kept."""
     path = profile_path(chain, device, threads, concurrent)
     try:
         prof = Profile.load(path).check(chain, device=device)
@@ -42,12 +45,16 @@ def cached_profile(chain: Any, sizes: Sequence[int], device: str, threads: int, 
             return prof
     except ProfileError:
         pass
-    if progress:
-        progress(f"profiling {chain.name} ({chain.num_layers} layers, micro-batch sizes "
-                 f"{', '.join(map(str, sorted(set(sizes))))}, {concurrent} process(es) at once) for planning...")
-    prof = profile_chain(chain, sorted(set(sizes)), device=device, reps=reps, warmup=1, threads=threads,
-                         comm=comm() if comm else None, concurrent=concurrent)
+    desc = (f"profiling {chain.name} for planning (micro-batch sizes {', '.join(map(str, sorted(set(sizes))))}, "
+            f"{concurrent} process(es) at once)")
+    with tqdm(total=chain.num_layers, desc=desc, unit="layer", disable=progress is None, file=sys.stderr,
+              dynamic_ncols=True, leave=False) as bar:
+        def advance(done: int, total: int) -> None:
+            bar.update(done - bar.n)
+
+        prof = profile_chain(chain, sorted(set(sizes)), device=device, reps=reps, warmup=1, threads=threads,
+                             comm=comm() if comm else None, concurrent=concurrent, progress=advance)
     prof.save(path)
     if progress:
-        progress(f"profile kept in {path}")
+        progress(f"profiled {chain.name} ({chain.num_layers} layers) for planning: kept in {path}")
     return prof

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from chimera.offload.policy import Offload, ladder
+from chimera.offload.policy import EVERYTHING, Offload, ladder
 from chimera.plan.fit import fit_offload
 from chimera.plan.partition import PartitionResult, layers_of, plan_partition
 from chimera.profile import Profile
@@ -237,13 +237,23 @@ def _first_fit(profile: Profile, c: Candidate, sched: Schedule, memory_limit: in
         tried.append(ev)
         ev = _evaluate(profile, dataclasses.replace(c, recompute=True), sched, memory_limit, optimizer,
                        exchange, rounds=0, exact=False)
-    for lv in ladder()[1:]:
+    for off in _offloads(c, max(1, len(profile.layers) // c.parts)):
         if ev.reason is None or "memory" not in ev.reason:
             break
         tried.append(ev)
-        ev = _evaluate(profile, dataclasses.replace(ev.candidate, offload=Offload.uniform(lv)), sched, memory_limit,
-                       optimizer, exchange, rounds=0, exact=False)
+        ev = _evaluate(profile, dataclasses.replace(ev.candidate, offload=off), sched, memory_limit, optimizer,
+                       exchange, rounds=0, exact=False)
     return ev
+
+
+def _offloads(c: Candidate, layers_per_stage: int) -> list[Offload]:
+    """The offload policies tried, least first, for a candidate that does not fit: every level of the ladder above
+    none, then the weights swapped in just before use (prefetch 0), then, with a whole backward, in packs of fewer
+    and fewer layers."""
+    out = [Offload.uniform(lv) for lv in ladder()[1:]] + [Offload.uniform(EVERYTHING, prefetch=0)]
+    if not c.split_backward:
+        out += [Offload.uniform(EVERYTHING, pack=k) for k in range(layers_per_stage - 1, 0, -1)]
+    return out
 
 
 def _lower_bound(profile: Profile, c: Candidate, cache: dict[tuple[int, bool], tuple[float, float]]) -> float:
@@ -282,10 +292,12 @@ def _per_stage(profile: Profile, ev: Evaluated, sched: Schedule, memory_limit: i
     c = ev.candidate
     if memory_limit is None or not c.offload.optimizer or not c.offload.uniform_level or ev.partition is None:
         return []
-    top = c.offload.stages[0].level
+    first = c.offload.stages[0]
+    top = first.level
     upto = [lv for lv in ladder() if lv.amount <= top.amount]
     off, _, _ = fit_offload(profile, sched.compute_only(), layers_of(ev.partition), c.unit, optimizer, c.recompute,
-                            memory_limit, [Offload.uniform(lv) for lv in upto], exchange=exchange, per_stage=True)
+                            memory_limit, [Offload.uniform(lv, first.prefetch, first.pack) for lv in upto],
+                            exchange=exchange, per_stage=True)
     if off.text == c.offload.text:
         return []
     mixed = _evaluate(profile, dataclasses.replace(c, offload=off), sched, memory_limit, optimizer,

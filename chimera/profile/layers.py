@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
 
+import cloudpickle
 import numpy as np
 import torch
 from torch import nn
@@ -52,7 +53,8 @@ BACKWARDS = {"backward_input": (True, False), "backward_weight": (False, True), 
 
 def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device: str = "cpu", reps: int = 5,
                   warmup: int = 2, seed: int = 0, threads: int | None = None, comm: CommProfile | None = None,
-                  amp: bool | None = None, probe_memory: bool = True, concurrent: int = 1) -> Profile:
+                  amp: bool | None = None, probe_memory: bool = True, concurrent: int = 1,
+                  progress: Callable[[int, int], None] | None = None) -> Profile:
     """Profile every layer of ``chain`` at every micro-batch size (module docstring).
 
     ``amp`` (default: on CUDA) runs forwards under bf16 autocast, as the runtime does with ``amp``. On CUDA the
@@ -62,11 +64,12 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
     processes at once, in lock-step (every timed run starts in all of them together), and keep the timings of
     the slowest process: alone, a CPU worker's layers run faster than they will beside the others, and a
     synchronous step waits for its slowest worker (the cores a machine shares out are not equally fast).
+    ``progress(done, total)`` hears every layer profiled (one process's, when concurrent).
     """
     if concurrent > 1:
         return _concurrently(chain, micro_batch_sizes, concurrent,
                              {"device": device, "reps": reps, "warmup": warmup, "seed": seed, "threads": threads,
-                              "comm": comm, "amp": amp, "probe_memory": probe_memory})
+                              "comm": comm, "amp": amp, "probe_memory": probe_memory}, progress)
     if not micro_batch_sizes or any(not isinstance(b, int) or b < 1 for b in micro_batch_sizes):
         raise ProfileError(f"micro-batch sizes must be integers >= 1, got {list(micro_batch_sizes)}")
     sizes = sorted(set(micro_batch_sizes))
@@ -95,7 +98,7 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
         used_threads = torch.get_num_threads()
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(seed)
-            layers = _profile_layers(chain, sizes, dev, amp, reps, warmup, seed, notes, collector)
+            layers = _profile_layers(chain, sizes, dev, amp, reps, warmup, seed, notes, collector, progress)
         host_in, host_out = measure_host_links(str(dev))
     finally:
         collector.close()
@@ -110,17 +113,21 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
                    created=datetime.now(UTC).isoformat(timespec="seconds"), notes=notes)
 
 
-def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str, Any]) -> Profile:
+def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str, Any],
+                  progress: Callable[[int, int], None] | None = None) -> Profile:
     """``profile_chain`` in ``n`` processes at once; the profile of the slowest (largest summed timings)."""
-    import cloudpickle
-
     packed = cloudpickle.dumps((chain, list(sizes), kw))
     results: list[dict[str, Any]] = []
     barrier = forkserver_context().Barrier(n)
-    with LocalProcesses(_profile_main, [(packed, barrier)] * n, ProfileError, "profiling process") as procs:
+    args = [(packed, barrier, rank == 0) for rank in range(n)]  # the first process reports its progress
+    with LocalProcesses(_profile_main, args, ProfileError, "profiling process") as procs:
         for kind, payload in procs.messages(3600, lambda: f"{n - len(results)} of {n} profiles"):
             if kind == "error":
                 raise ProfileError(f"concurrent profiling failed: {payload}")
+            if kind == "progress":
+                if progress is not None:
+                    progress(*payload)
+                continue
             results.append(payload)
             if len(results) == n:
                 procs.finished = True
@@ -140,13 +147,12 @@ def _total_seconds(profile: dict[str, Any]) -> float:
         s for layer in profile["layers"] for s in layer["optimizer_s"].values())
 
 
-def _profile_main(packed: bytes, barrier: Any, out: Any) -> None:
-    import cloudpickle
-
+def _profile_main(packed: bytes, barrier: Any, report: bool, out: Any) -> None:
     set_pace(lambda: barrier.wait(PACE_TIMEOUT_S))
     try:
         chain, sizes, kw = cloudpickle.loads(packed)
-        out.put(("ok", profile_chain(chain, sizes, **kw).to_dict()))
+        progress = (lambda done, total: out.put(("progress", (done, total)))) if report else None
+        out.put(("ok", profile_chain(chain, sizes, progress=progress, **kw).to_dict()))
     except BaseException as e:  # reported to the parent
         out.put(("error", f"{type(e).__name__}: {e}"))
 
@@ -162,7 +168,8 @@ def current_versions(device: str = "cpu") -> dict[str, str]:
 
 
 def _profile_layers(chain: LayerChain, sizes: list[int], dev: torch.device, amp: bool, reps: int, warmup: int,
-                    seed: int, notes: list[str], collector: StepCollector) -> list[LayerProfile]:
+                    seed: int, notes: list[str], collector: StepCollector,
+                    progress: Callable[[int, int], None] | None = None) -> list[LayerProfile]:
     batches = {b: map_tensors(lambda t: t.to(dev), repeated(chain.example, b)) for b in sizes}
     xs = {b: batches[b][0] for b in sizes}
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp and dev.type == "cuda" else nullcontext
@@ -191,6 +198,8 @@ def _profile_layers(chain: LayerChain, sizes: list[int], dev: torch.device, amp:
                                 sum(_nbytes(p) for p in params), opt_bytes, costs, tied, opt_s))
         del layer
         collector.after_step()
+        if progress is not None:
+            progress(i + 1, chain.num_layers)
     return out
 
 
