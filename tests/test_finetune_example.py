@@ -1,11 +1,8 @@
 """The fine-tuning path end to end: examples/finetune_gpt2.py fine-tunes a saved GPT-2 on a text file, the checkpoint
 exports and reloads with AutoModelForCausalLM; the fine-tuning datasets' labels give transformers' own losses."""
 
-import re
-import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 
 from chimera.data.finetune import sentence_pair_data
@@ -16,7 +13,6 @@ from examples.finetune_gpt2 import factory, main
 from tests.test_finetune_data import BERT_TOK, WIKI, _tsv
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTION = "\n## Fine-tune a pretrained model\n"
 
 
 def _tiny_gpt2(path) -> None:
@@ -68,24 +64,3 @@ def test_sentence_pairs_give_the_classifiers_own_loss(tmp_path):
     logits = evaluate(chain, inputs)
     assert (logits - out.logits).abs().max().item() <= 1e-5
     assert abs(chain.loss(logits, labels).item() - out.loss.item()) <= 1e-5
-
-
-def run_first_bash_block(markdown: str, workdir: Path) -> str:
-    """Run the first bash block of ``markdown`` in ``workdir`` (which sees the repository's examples/ and chimera/);
-    returns its standard output."""
-    code = re.search(r"```bash\n(.*?)```", markdown, re.S).group(1)
-    for name in ("examples", "chimera"):
-        (workdir / name).symlink_to(ROOT / name)
-    p = subprocess.run(["bash", "-e", "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return p.stdout
-
-
-def test_readme_fine_tune_section_runs_as_written(tmp_path):
-    """The first bash block under '## Fine-tune a pretrained model' in README.md ends by printing the largest logit
-    difference between the exported model and the pipeline's layers."""
-    text = (ROOT / "README.md").read_text()
-    if SECTION not in text:
-        pytest.skip("README.md has no '## Fine-tune a pretrained model' section yet")
-    out = run_first_bash_block(text.split(SECTION, 1)[1], tmp_path)
-    assert float(out.strip().splitlines()[-1]) <= 1e-5, out

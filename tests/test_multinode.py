@@ -1,8 +1,6 @@
 """Across nodes: placement policies on a two-node cluster, parity across nodes, --pre-cmd once per node,
 job submission to a loopback head, shutdown.sh, and clear errors for bad addresses."""
 
-import json
-import os
 import socket
 import subprocess
 import sys
@@ -90,49 +88,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_job_submission_and_shutdown(tmp_path):
-    env = {**os.environ, "CHIMERA_RAY_STATE": str(tmp_path / "state.json"),
-           "CHIMERA_RAY_TMP": f"/tmp/chimera-test-{os.getpid()}", "CHIMERA_RAY_PORT": str(_free_port()),
-           "CHIMERA_RAY_DASHBOARD_PORT": str(_free_port()), "CHIMERA_RAY_CPUS": "4",
-           "CHIMERA_RAY_AGENT_PORT": str(_free_port()), "CHIMERA_RAY_CLIENT_PORT": str(_free_port()),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
-    bystander = subprocess.Popen(["sleep", "600"])
-    started = False
-    try:
-        p = subprocess.run(["bash", "scripts/start_ray.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=180)
-        assert p.returncode == 0, p.stderr[-2000:]
-        started = True
-        state = json.loads((tmp_path / "state.json").read_text())
-        out = tmp_path / "job_metrics.jsonl"
-        runtime_env = json.dumps({"excludes": [".venv", ".git", "profiles", "*.egg-info", ".hypothesis"]})
-        job = subprocess.run(
-            [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", state["dashboard"],
-             "--working-dir", ".", "--runtime-env-json", runtime_env, "--",
-             sys.executable, "scripts/prof_steps_ray_multinode.py", "--address", "auto", "--model", "bert-tiny",
-             "--stages", "2", "--micro-batches", "2", "--seq-len", "16", "--corpus", "synthetic", "--steps", "2",
-             "--partition", "uniform", "--no-progress",
-             "--out", str(out)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-        assert job.returncode == 0, (job.stdout[-3000:], job.stderr[-3000:])
-        assert "succeeded" in (job.stdout + job.stderr)
-        assert len(out.read_text().splitlines()) == 2
-    finally:
-        if started:
-            stop = subprocess.run(["bash", "shutdown.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=120)
-            assert stop.returncode == 0, stop.stderr
-            assert "stopped" in stop.stdout
-        alive = bystander.poll() is None
-        bystander.kill()
-    assert alive, "shutdown.sh must not stop processes it did not start"
-    time.sleep(1)
-    leftovers = subprocess.run(["pgrep", "-f", env["CHIMERA_RAY_TMP"]], capture_output=True, text=True).stdout
-    assert leftovers.strip() == ""
-    assert not (tmp_path / "state.json").exists()
 
 
 def _run_script(*args, timeout=120):

@@ -90,12 +90,8 @@ def test_too_few_resources_is_a_clear_error(ray_session):
 
 
 @pytest.mark.slow
-def test_default_script_runs_and_bad_flags_exit_2(tmp_path):
-    out = tmp_path / "default.jsonl"
-    p = subprocess.run([sys.executable, "scripts/prof_steps_ray.py", "--steps", "2", "--out", str(out),
-                        "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert len(out.read_text().splitlines()) == 2
+def test_the_default_script_refuses_bad_flags_before_ray():
+    """(The default job itself runs in CI as README.md's first block.)"""
     p = subprocess.run([sys.executable, "scripts/prof_steps_ray.py", "--stages", "3"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "even number of --stages" in p.stderr and "Traceback" not in p.stderr

@@ -85,3 +85,5 @@ def test_readme_block_runs_as_written(ident, marker, reason, lang, code, tmp_pat
     assert "Traceback (most recent call last)" not in p.stdout + p.stderr, out
     missing = [path for path in (written(code) if lang == "bash" else []) if not (repo / path).exists()]
     assert not missing, f"README block {ident} says it writes {missing}, which are not there:\n{out}"
+    if "fine-tune" in ident:  # its last line: the largest logit difference, reloaded model against the pipeline
+        assert float(p.stdout.strip().splitlines()[-1]) <= 1e-5, out

@@ -30,6 +30,7 @@ from chimera.config import ConfigError, TrainConfig, check_fields
 from chimera.job import CheckpointOptions, Job, RunOptions, TimelineOptions
 from chimera.models import ChainError, LayerChain
 from chimera.offload.policy import Offload
+from chimera.plan.partition import layers_of
 from chimera.schedule import ScheduleError, validate
 
 __all__ = ["Budget", "ConfigError", "Model", "PartitionDecision", "ScheduleDecision", "choices", "compile_job",
@@ -69,13 +70,16 @@ def compile_job(cfg: TrainConfig, chain: LayerChain | None = None, data: Any = N
     threads = worker_threads(cfg, world)
     shapes = Shapes(model.chain)
     budget = budget_of(cfg, world)
-    decision = resolve_schedule(cfg, model, budget, shapes)
+    decision = resolve_schedule(cfg, model, budget, shapes, threads, log)
     sched, unit = decision.schedule, decision.unit
-    if s.partition == "planned":  # screened on the uniform split first: no profile for what cannot fit
-        memory_verdict(cfg, model.chain, sched, fixed_split(model.chain, sched.stages, "uniform"), unit, budget,
-                       shapes)
-    part = partition_pass(cfg, model.chain, sched, unit, threads, budget.bytes if budget.enforced else None,
-                          None if cfg.memory.offload == "auto" else _planning_offload(cfg, sched.stages), log)
+    if s.partition == "planned" and decision.planned is not None:  # auto ranked it planned with the model's profile
+        part = PartitionDecision(layers_of(decision.planned), decision.prediction)
+    else:
+        if s.partition == "planned":  # screened on the uniform split first: no profile for what cannot fit
+            memory_verdict(cfg, model.chain, sched, fixed_split(model.chain, sched.stages, "uniform"), unit, budget,
+                           shapes)
+        part = partition_pass(cfg, model.chain, sched, unit, threads, budget.bytes if budget.enforced else None,
+                              None if cfg.memory.offload == "auto" else _planning_offload(cfg, sched.stages), log)
     verdict = memory_verdict(cfg, model.chain, sched, part.stage_layers, unit, budget, shapes)
     try:
         lowered = validate(verdict.lowered)

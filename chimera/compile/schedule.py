@@ -8,15 +8,19 @@ marked, the fastest that fits taken).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
 from chimera.compile.memory import Budget, Shapes, exclude_over_budget
 from chimera.compile.model import Model
 from chimera.config import ConfigError, TrainConfig
-from chimera.job import Layout
+from chimera.job import Layout, Prediction
+from chimera.plan import plan
 from chimera.plan.partition import partition
+from chimera.plan.profiles import cached_profile, sharing
+from chimera.profile import ProfileError
 from chimera.schedule import Costs, Schedule, ScheduleConfigError, build_schedule
 from chimera.schedule.best import best, explain
 from chimera.schedule.io import load_schedule_file
@@ -26,12 +30,15 @@ from chimera.schedule.registry import get as schedule_spec
 @dataclass(frozen=True)
 class ScheduleDecision:
     """The compute-only schedule (all data-parallel groups alike), how it pipelines (``layout``), the samples per
-    schedule unit (computed here, once), and why it was chosen when not named."""
+    schedule unit (computed here, once), why it was chosen when not named, and, when ``auto`` ranked with the
+    model's profile, the planned split it was ranked with and its prediction."""
 
     schedule: Schedule
     layout: Layout
     unit: int
     why: str | None = None
+    planned: list[int] | None = None
+    prediction: Prediction | None = None
 
 
 def _layout(cfg: TrainConfig, name: str, options: dict[str, Any]) -> Layout:
@@ -52,8 +59,10 @@ def _decision(cfg: TrainConfig, sched: Schedule, name: str, options: dict[str, A
                             int(unit), why)
 
 
-def resolve_schedule(cfg: TrainConfig, model: Model, budget: Budget, shapes: Shapes) -> ScheduleDecision:
-    """The schedule of ``cfg`` (module docstring); ConfigError with the flag to change."""
+def resolve_schedule(cfg: TrainConfig, model: Model, budget: Budget, shapes: Shapes, threads: int = 1,
+                     log: Callable[[str], None] | None = None) -> ScheduleDecision:
+    """The schedule of ``cfg`` (module docstring); ConfigError with the flag to change. ``threads`` and ``log``:
+    for the brief profile ``auto`` ranks a model with."""
     s = cfg.schedule
     try:
         if s.schedule_file is not None:
@@ -64,7 +73,9 @@ def resolve_schedule(cfg: TrainConfig, model: Model, budget: Budget, shapes: Sha
             options = {"mode": s.mode, "chunks": s.chunks, "split_backward": s.split_backward}
             sched = build_schedule(spec.name, s.stages, s.micro_batches, **options)
             return _decision(cfg, sched, spec.name, options, None)
-        return _auto(cfg, model, budget, shapes)
+        if getattr(model.chain, "block_seconds", None) is not None:  # a model that knows its costs exactly
+            return _auto(cfg, model, budget, shapes)
+        return _auto_profiled(cfg, model, budget, threads, log)
     except ScheduleConfigError as e:
         raise ConfigError(str(e) if "--" in str(e) else f"--schedule {s.name}: {e}") from None
 
@@ -80,6 +91,55 @@ def _auto(cfg: TrainConfig, model: Model, budget: Budget, shapes: Shapes) -> Sch
     assert choice.schedule is not None
     options = {k: v for k, v in choice.options.items() if k != "order_costs"}
     return _decision(cfg, choice.schedule, choice.name, options, explain(choice, ranked))
+
+
+def _auto_profiled(cfg: TrainConfig, model: Model, budget: Budget, threads: int,
+                   log: Callable[[str], None] | None) -> ScheduleDecision:
+    """``auto`` for a model measured, not known: every candidate of the registry that ``auto`` tries, at the given
+    D, N, B and W, planned and simulated with the model's own brief profile (the one a planned partition takes:
+    messages, gradient sums and optimizer step included), within the memory a worker has; the fastest wins."""
+    s, t = cfg.schedule, cfg.training
+    world = s.stages * s.data_parallel
+    sizes = sorted({s.micro_batch_size} | ({s.micro_batch_size // 2} if s.micro_batch_size % 2 == 0 else set()))
+    try:
+        prof = cached_profile(model.chain, sizes, t.device, threads, sharing(world, t.device), progress=log)
+    except ProfileError as e:
+        raise ConfigError(f"--schedule auto: profiling the model failed: {e}") from None
+    fixed = {"stages": s.stages, "data_parallel": s.data_parallel, "micro_batch_size": s.micro_batch_size,
+             "micro_batches": s.micro_batches, "recompute": t.recompute}
+    if cfg.memory.offload != "auto":
+        fixed["offload"] = cfg.memory.offload
+    result = plan(prof, world, s.micro_batches * s.micro_batch_size * s.data_parallel, budget.bytes, t.optimizer,
+                  exchange=t.device != "cuda", fixed=fixed)
+    ranked = [e for e in result.ranked if e.candidate.spec.auto]
+    if not ranked:
+        reasons = sorted({e.reason for e in result.infeasible if e.reason})[:3]
+        raise ConfigError(f"--schedule auto: no schedule runs D={s.stages}, N={s.micro_batches} here: "
+                          f"{'; '.join(reasons)}")
+    best_ev = ranked[0]
+    c = best_ev.candidate
+    options = {"mode": c.mode, "chunks": c.chunks, "split_backward": c.split_backward}
+    sched = build_schedule(c.schedule, s.stages, s.micro_batches, **options)
+    why = _why_profiled(ranked, prof.model, prof.device)
+    prediction = Prediction(float(best_ev.step_s or 0.0), f"auto: {prof.model} on {prof.device}, {prof.threads} "
+                            "thread(s)", best_ev.bubble, best_ev.peak_memory)
+    decision = _decision(cfg, sched, c.schedule, options, why)
+    return replace(decision, planned=best_ev.partition, prediction=prediction)
+
+
+def _why_profiled(ranked: list[Any], model: str, device: str) -> str:
+    """auto's choice against the plain schedules and the runner-up, with the model's predicted step times."""
+    best_ev = ranked[0]
+    step = {e.candidate.label: e.step_s for e in ranked}
+    why = (f"auto: {best_ev.candidate.spec.label(best_ev.candidate.options)}: predicted {best_ev.step_s:.4g} s/step "
+           f"with {model}'s profile on {device}")
+    for ref in ("chimera-direct", "1f1b"):
+        if ref in step and ref != best_ev.candidate.label:
+            why += f", {step[ref] / best_ev.step_s:.3f}x as fast as {ref.replace('-direct', '')} ({step[ref]:.4g} s)"
+    if len(ranked) > 1:
+        nxt = ranked[1].candidate
+        why += f"; next: {nxt.spec.label(nxt.options)} ({ranked[1].step_s:.4g} s)"
+    return why
 
 
 def auto_costs(chain: Any, stages: int, micro_batch_size: int) -> tuple[Costs, bool]:
