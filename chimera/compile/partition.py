@@ -16,7 +16,7 @@ from chimera.config import ConfigError, TrainConfig
 from chimera.job import Prediction
 from chimera.offload.policy import Offload
 from chimera.plan.partition import layers_of, partition, plan_partition
-from chimera.plan.profiles import cached_profile, sharing
+from chimera.plan.profiles import cached_profile, local_comm, sharing
 from chimera.profile import ProfileError
 from chimera.schedule import Schedule
 
@@ -48,7 +48,8 @@ def partition_pass(cfg: TrainConfig, chain: Any, schedule: Schedule, unit: int, 
     world = schedule.workers * schedule.data_parallel
     fixed_split(chain, schedule.stages, "uniform")  # D within the model's layers: a clear error before profiling
     try:
-        prof = cached_profile(chain, [unit], t.device, threads, sharing(world, t.device), progress=log)
+        prof = cached_profile(chain, [unit], t.device, threads, sharing(world, t.device),
+                              comm=local_comm(world, t.device), progress=log)
         part = plan_partition(prof, schedule, unit, t.recompute, t.optimizer, limit, exchange=t.device != "cuda",
                               offload=offload)
     except (ValueError, ProfileError) as e:

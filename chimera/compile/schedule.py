@@ -19,7 +19,7 @@ from chimera.config import ConfigError, TrainConfig
 from chimera.job import Layout, Prediction
 from chimera.plan import plan
 from chimera.plan.partition import partition
-from chimera.plan.profiles import cached_profile, sharing
+from chimera.plan.profiles import cached_profile, local_comm, sharing
 from chimera.profile import ProfileError
 from chimera.schedule import Costs, Schedule, ScheduleConfigError, build_schedule
 from chimera.schedule.best import best, explain
@@ -102,7 +102,8 @@ def _auto_profiled(cfg: TrainConfig, model: Model, budget: Budget, threads: int,
     world = s.stages * s.data_parallel
     sizes = sorted({s.micro_batch_size} | ({s.micro_batch_size // 2} if s.micro_batch_size % 2 == 0 else set()))
     try:
-        prof = cached_profile(model.chain, sizes, t.device, threads, sharing(world, t.device), progress=log)
+        prof = cached_profile(model.chain, sizes, t.device, threads, sharing(world, t.device),
+                              comm=local_comm(world, t.device), progress=log)
     except ProfileError as e:
         raise ConfigError(f"--schedule auto: profiling the model failed: {e}") from None
     fixed = {"stages": s.stages, "data_parallel": s.data_parallel, "micro_batch_size": s.micro_batch_size,

@@ -8,6 +8,7 @@ and sizes::
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from chimera.profile import CommProfile, Profile, ProfileError
+from chimera.profile.comm import measure_comm_local
 from chimera.profile.layers import profile_chain
 
 PROFILE_DIR = Path("profiles")
@@ -32,6 +34,14 @@ def profile_path(chain: Any, device: str, threads: int, concurrent: int) -> Path
     return PROFILE_DIR / f"{chain.name}.{device}.t{threads}.x{concurrent}.profile.json"
 
 
+def local_comm(world: int, device: str) -> Callable[[], CommProfile] | None:
+    """How to measure the links between ``world`` workers on this machine (gloo on CPU), for a planning profile;
+    None where one process alone runs (nothing to measure) or on GPUs (one per process, not all here)."""
+    if world < 2 or device != "cpu":
+        return None
+    return lambda: measure_comm_local(world, "gloo", reps=2)
+
+
 def cached_profile(chain: Any, sizes: Sequence[int], device: str, threads: int, concurrent: int = 1,
                    comm: Callable[[], CommProfile] | None = None, reps: int = 3,
                    progress: Callable[[str], None] | None = None) -> Profile:
@@ -41,7 +51,10 @@ def cached_profile(chain: Any, sizes: Sequence[int], device: str, threads: int, 
     path = profile_path(chain, device, threads, concurrent)
     try:
         prof = Profile.load(path).check(chain, device=device)
-        if set(sizes) <= set(prof.micro_batch_sizes) and prof.threads == threads and (comm is None or prof.comm):
+        if set(sizes) <= set(prof.micro_batch_sizes) and prof.threads == threads:
+            if comm is not None and prof.comm is None:  # the layers are still right: measure the links only
+                prof = dataclasses.replace(prof, comm=comm())
+                prof.save(path)
             return prof
     except ProfileError:
         pass
