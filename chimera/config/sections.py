@@ -77,7 +77,7 @@ class TrainingSection:
                               "worker, the action and the micro-batch", unit="seconds", flag="--timeout",
                               minimum=0.001, maximum=7 * 86400)
     threads: int | None = option(None, "torch threads per worker (default: this machine's cores / workers)",
-                                 minimum=1)
+                                 minimum=1, maximum=1024)
     python_gc: str = option("step", "step: freeze the heap after set-up and collect garbage after every step, never "
                             "inside one (a full collection pauses a worker ~0.2 s); auto: Python's own collector",
                             choices=("step", "auto"))
