@@ -128,3 +128,18 @@ def test_every_field_is_declared_with_help_and_its_flag_is_unique():
     assert all(f.meta.help for f in FIELDS.values())
     with pytest.raises(ConfigError, match="unknown training option 'stage'"):
         chimera.build_job(stage=2)
+
+
+def test_measured_auto_keeps_plain_chimera_unless_clearly_faster():
+    """Predictions on a shared CPU miss by up to TRUSTED_GAIN; a smaller predicted gain keeps plain Chimera."""
+    from chimera.compile.schedule import TRUSTED_GAIN, _trusted_best
+    from chimera.plan.search import Candidate, Evaluated
+
+    def ev(mode: str, step: float) -> Evaluated:
+        return Evaluated(Candidate("chimera", mode, 4, 1, 4, 4, False), step_s=step)
+
+    plain = ev("direct", 1.0)
+    close, far = ev("halving", 1.0 / (TRUSTED_GAIN - 0.01)), ev("halving", 1.0 / (TRUSTED_GAIN + 0.01))
+    assert _trusted_best([close, plain]) is plain
+    assert _trusted_best([far, plain]) is far
+    assert _trusted_best([plain, close]) is plain
