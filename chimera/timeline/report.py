@@ -1,12 +1,14 @@
 """Profile outputs of a run: events file, Chrome trace, timeline figure (measured + predicted), summary JSON.
 
-Files under the output folder, with NAME = ``{model}_{schedule}_{D}stages_{workers}gpus_microbs{B}_acc{K}``:
+Files in the run's directory, with NAME the run's name (``{model}_{schedule}_{D}stages_{W}workers_microbs{B}_acc{K}``, ``gpus`` on CUDA):
 
 * ``NAME.events.json``: every recorded event plus the run's metadata (re-plot without re-running);
 * ``NAME.trace.json``: Chrome trace format (one process per worker, one thread per pipe; open in Perfetto);
 * ``NAME.pdf`` / ``NAME.png``: measured timeline (top) and the simulator's timeline with per-stage costs taken
   from the measured run (bottom);
-* ``NAME.json``: per-worker busy time, measured bubble fraction, mean iteration time, predicted iteration time;
+* ``NAME.json``: per-worker busy time, measured bubble fraction, mean iteration time, the run's predicted step time
+  (``predicted_step_s``: the one prediction, the same the run's summary prints) and the schedule replayed with the
+  measured per-stage times (``replayed_iteration_s``);
   with offload the bytes swapped per step (``swap_bytes_per_step``, per worker) and the swap time per iteration
   hidden under compute and exposed (``swap_s_hidden``, ``swap_s_exposed``).
 """
@@ -85,8 +87,10 @@ def summarize(events: Sequence[Event], schedule: Schedule, workers: int, meta: d
         "mean_iteration_s": statistics.fmean(s.makespan for s in stats),
         "measured_bubble": statistics.fmean(s.bubble for s in stats),
         "busy_s": {str(w): b for w, b in busy.items()},
-        "predicted_iteration_s": float(pred.makespan),
-        "predicted_bubble": float(pred.bubble),
+        # the schedule replayed with this run's own measured F/B/W times: what the bubble alone costs; the run's
+        # one prediction (from the profile, before it started) is ``predicted_step_s`` in ``meta``
+        "replayed_iteration_s": float(pred.makespan),
+        "replayed_bubble": float(pred.bubble),
         **({"swap_s_hidden": swaps["hidden"], "swap_s_exposed": swaps["exposed"]} if swaps["hidden"] + swaps["exposed"]
            else {}),
     }
@@ -107,7 +111,7 @@ def timeline_figure(events: Sequence[Event], schedule: Schedule, workers: int, s
     label = "" if summary.get("training_result", True) else "  [single-byte payload: NOT a training result]"
     plot_timeline(shifted, workers, ax=top, time_unit="s", iteration_bounds=bounds[1:],
                   title=(f"{summary.get('name', '')}  measured: utilization {1 - summary['measured_bubble']:.1%}, "
-                         f"mean iteration {summary['mean_iteration_s']:.3f} s{label}"))
+                         f"mean iteration {summary['mean_iteration_s']:.3f} s{_predicted(summary)}{label}"))
     pred = simulate(schedule.compute_only(), measured_costs(events, schedule.stages))
     sim = []
     for g in range(workers // schedule.workers):  # every data-parallel group runs the same lists
@@ -117,6 +121,12 @@ def timeline_figure(events: Sequence[Event], schedule: Schedule, workers: int, s
                   title=(f"simulated with the measured per-stage F/B times: iteration {float(pred.makespan):.3f} s, "
                          f"utilization {1 - float(pred.bubble):.1%}"))
     return fig
+
+
+def _predicted(summary: dict[str, Any]) -> str:
+    """The run's one prediction, as the summary prints it, for the figure's title."""
+    step = summary.get("predicted_step_s")
+    return f" (predicted {step:.3f} s: {summary.get('prediction', '')})" if step else ""
 
 
 def write_profile(name: str, events: Sequence[Event], schedule: Schedule, workers: int, meta: dict[str, Any],
