@@ -119,7 +119,7 @@ def main() -> None:
     if a.baseline_tree:
         text = f"`{command}`\n\n" + baseline(a.baseline_tree, steps, max(reps, 3))
     else:
-        text = table(run(compile_job(a.policies.split(",")), steps, reps, a.prefetch), command)
+        text = table(run(a.policies.split(","), steps, reps, a.prefetch), command)
     print(text)
     if a.results:
         with open(a.results, "a") as f:

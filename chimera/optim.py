@@ -102,13 +102,18 @@ def warmup_decay_schedule(
 def local_grad_sq_norm(
     params: Iterable[torch.Tensor], device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """Sum of squared gradient norms of ``params`` as a float64 scalar (0 when there are no grads)."""
+    """Sum of squared gradient norms of ``params`` as a float64 scalar on ``device`` (default: the first gradient's;
+    0 when there are no grads)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm(grads, 2.0)
-    sq = torch.stack([n.to(torch.float64) for n in norms]).square().sum()
-    return sq if device is None else sq.to(device)
+    # per device, summed on one: a worker may hold host gradients (an offloaded stage) beside device ones
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    at = device if device is not None else grads[0].device
+    norms = [n.to(at, torch.float64) for gs in by_device.values() for n in torch._foreach_norm(gs, 2.0)]
+    return torch.stack(norms).square().sum()
 
 
 def clip_grad_norm_global(
@@ -138,5 +143,9 @@ def clip_grad_norm_global(
         return total
     coef = max_norm / (total + 1e-6)
     if coef < 1.0 and params:
-        torch._foreach_mul_([p.grad for p in params], coef)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in params:  # host and device gradients apart (an offloaded stage beside one on the device)
+            by_device.setdefault(p.grad.device, []).append(p.grad)
+        for grads in by_device.values():
+            torch._foreach_mul_(grads, coef)
     return total

@@ -61,7 +61,7 @@ def test_a_budget_that_fits_only_with_packs():
     """Refused without packs; with packs of one layer it trains within the budget (the runtime's own peak after
     every action, with the packs held during it), like training without offload, moving the predicted bytes."""
     base = TrainConfig.from_flags(**GPT2)
-    with pytest.raises(ConfigError, match=r"--offload everything \(prefetch 0\): \d+ bytes .* Change: --offload-pack 1"):
+    with pytest.raises(ConfigError, match=r"--offload everything \(whole stages, --prefetch 0\): \d+ bytes .* Change: --offload-pack 1"):
         compile_job(base.with_flags(memory_per_worker=BUDGET))
     job = compile_job(base.with_flags(memory_per_worker=BUDGET, offload_pack=1))
     got = run_local(job, return_state=True)
@@ -101,3 +101,18 @@ def test_packs_with_recompute_and_per_stage_policies():
     once = swap_bytes(prof, job.schedule, job.stage_layers, Offload.parse("everything,optimizer+gradients", 1, 2))
     assert predicted[0] > once[0] and predicted[1] == once[1]  # only the recomputing (first) stage streams twice
     assert all(m["swap_bytes"] == predicted for m in got.metrics)
+
+
+def test_auto_chooses_packs_says_so_and_its_resolved_config_keeps_them():
+    """Compile only: whole stages do not fit the budget, so ``auto`` streams packs, names their size on its decision
+    line, and the configuration written for the run (``resolved_config``) builds the same policy."""
+    from chimera.compile import resolved_config
+
+    cfg = TrainConfig.from_flags(**{**GPT2, "offload": "auto", "memory_per_worker": BUDGET})
+    job = compile_job(cfg)
+    (stage,) = job.offload.stages
+    assert stage.packed and stage.level.name == "everything"
+    (why,) = [d for d in job.decisions if d.startswith("offload auto:")]
+    assert f"packs of {stage.pack} layer" in why and f"--offload-pack {stage.pack}" in why
+    assert "whole-stage swaps do not fit" in why
+    assert compile_job(resolved_config(cfg, job)).offload == job.offload

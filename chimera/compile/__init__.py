@@ -154,6 +154,9 @@ def resolved_config(cfg: TrainConfig, job: Job) -> TrainConfig:
                              "partition": ",".join(str(len(x)) for x in job.stage_layers), "plan": None,
                              "threads": job.run.threads, "offload": job.offload.text,
                              "recompute": job.run.recompute}
+    moving = [st for st in job.offload.stages if st.level.weights]
+    if moving:  # how the weights move (auto may have chosen prefetch 0 or packs)
+        flags.update(prefetch=moving[0].prefetch, offload_pack=moving[0].pack)
     if cfg.schedule.schedule_file is None:
         flags["schedule"] = lay.schedule
     if cfg.model.chain is None and cfg.model.seq_len is None:

@@ -117,8 +117,9 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
                                             budget.bytes, offloads, exchange=exchange, per_stage=m.offload == "auto")
         except ValueError as e:
             raise ConfigError(f"--memory-per-worker {m.memory_per_worker}: {e}") from None
-        why = f"offload auto: {off.describe()}" if m.offload == "auto" else None
-        return MemoryVerdict(off, lowered, max(mem, key=lambda w: w.total), why)
+        peak = max(mem, key=lambda w: w.total)
+        return MemoryVerdict(off, lowered, peak, _auto_why(off, peak, budget.bytes, m.prefetch) if m.offload == "auto"
+                             else None)
     off = offloads[0]
     lowered = lower(schedule, off)
     if budget.bytes is None:
@@ -135,6 +136,18 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
             f"{budget.bytes / GiB:.2f} GiB ({budget.source}); lower --micro-batch-size, add --recompute or more "
             "--stages, or set --memory-per-worker")
     return MemoryVerdict(off, lowered, peak)
+
+
+def _auto_why(off: Offload, peak: WorkerMemory, budget: int, prefetch: int) -> str:
+    """``--offload auto``'s decision line: the policy of every stage (pack size or prefetch depth included), its peak
+    against the budget, and why the weights move as they do."""
+    why = f"offload auto: {off.describe()}; {peak.total} bytes at the largest worker's peak, budget {budget}"
+    moving = [s for s in off.stages if s.level.weights]
+    if any(s.packed for s in moving):
+        why += "; whole-stage swaps do not fit"
+    elif moving and moving[0].prefetch < prefetch:
+        why += f"; --prefetch {prefetch} does not fit"
+    return why
 
 
 def exclude_over_budget(cfg: TrainConfig, ranked: Sequence[Choice], split: Callable[[int], list[list[int]]],

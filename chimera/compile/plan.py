@@ -24,7 +24,7 @@ from chimera.util.units import parse_bytes
 
 #: the flags a plan decides (the planner's Candidate.flags, plus the partition)
 PLANNED = ("schedule", "mode", "stages", "data_parallel", "micro_batch_size", "micro_batches", "recompute", "chunks",
-           "offload", "split_backward", "partition")
+           "offload", "prefetch", "offload_pack", "split_backward", "partition")
 
 
 def _fixed(cfg: TrainConfig) -> dict[str, Any]:

@@ -4,7 +4,7 @@ import torch and are not loaded here). The memory effect of each swap action is 
 table (``chimera.schedule.kinds``).
 
     from chimera.offload import Offload, ladder
-    Offload.parse("everything,none", prefetch=1).describe()   # 'stage 0: everything (prefetch 1); stage 1: none'
+    Offload.parse("everything,none", prefetch=1).describe()   # 'stage 0: everything (whole stages, --prefetch 1); stage 1: none'
 """
 
 from chimera.offload.policy import (

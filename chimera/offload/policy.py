@@ -82,9 +82,12 @@ class StageOffload:
         return self.pack > 0 and self.level.weights
 
     def describe(self) -> str:
+        """The level, and for weights how they move, with the flag that chooses it: ``everything (whole stages,
+        --prefetch 1)`` or ``everything (packs of 2 layers, --offload-pack 2)`` (a pack prefetches the next)."""
         text = self.level.name
         if self.level.weights:
-            text += f" (packs of {self.pack} layers)" if self.pack else f" (prefetch {self.prefetch})"
+            text += (f" (packs of {self.pack} layer{'s' if self.pack > 1 else ''}, --offload-pack {self.pack})"
+                     if self.pack else f" (whole stages, --prefetch {self.prefetch})")
         return text
 
 

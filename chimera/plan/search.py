@@ -71,11 +71,16 @@ class Candidate:
         return self.micro_batch_size // 2 if self.mode == "halving" else self.micro_batch_size
 
     def flags(self) -> dict[str, Any]:
-        """The training flags of this candidate (``TrainConfig.with_flags``)."""
-        return {"schedule": self.schedule, "mode": self.mode, "stages": self.stages,
-                "data_parallel": self.data_parallel, "micro_batch_size": self.micro_batch_size,
-                "micro_batches": self.micro_batches, "recompute": self.recompute, "chunks": self.chunks,
-                "offload": self.offload.text, "split_backward": self.split_backward}
+        """The training flags of this candidate (``TrainConfig.with_flags``); with weights offloaded also how they
+        move (``prefetch``, ``offload_pack``), which the memory it was priced with depends on."""
+        flags = {"schedule": self.schedule, "mode": self.mode, "stages": self.stages,
+                 "data_parallel": self.data_parallel, "micro_batch_size": self.micro_batch_size,
+                 "micro_batches": self.micro_batches, "recompute": self.recompute, "chunks": self.chunks,
+                 "offload": self.offload.text, "split_backward": self.split_backward}
+        moving = [s for s in self.offload.stages if s.level.weights]
+        if moving:  # the planner gives every stage the same prefetch and pack size
+            flags.update(prefetch=moving[0].prefetch, offload_pack=moving[0].pack)
+        return flags
 
     @property
     def parts(self) -> int:
@@ -162,7 +167,7 @@ def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int], built: dict[tu
 
 
 def plan(profile: Profile, workers: int, global_batch: int | None = None, memory_limit: int | None = None,
-         optimizer: str = "adamw", top: int = 10, exchange: bool = True, refine: int = 3,
+         optimizer: str = "adamw", top: int = 10, exchange: bool | None = None, refine: int = 3,
          stages: int | None = None, fixed: Mapping[str, Any] | None = None) -> PlanResult:
     """Rank the configurations of ``profile``'s model on ``workers`` workers (module docstring).
 
@@ -170,8 +175,11 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     largest gradient sum); the best ``refine`` then get their partition refined and their step simulated on the
     lowered schedule (``chimera.plan.partition``), and the list is ranked again (``Evaluated.exact`` tells the
     two apart). ``stages`` fixes D (and so W = workers / D); ``fixed``: training flags (``Candidate.flags``
-    names) every candidate must have, e.g. ``{"micro_batches": 8, "schedule": "chimera"}``."""
+    names) every candidate must have, e.g. ``{"micro_batches": 8, "schedule": "chimera"}``. ``exchange``: whether
+    a pair of replicas sums gradients by exchange (gloo; default: unless the profile was taken on a GPU)."""
     fixed = dict(fixed or {})
+    if exchange is None:
+        exchange = not profile.device.startswith("cuda")
     stages = fixed.get("stages", stages)
     if stages is not None and (stages < 1 or workers % stages):
         raise ValueError(f"--stages {stages} must divide --workers {workers}")
@@ -200,7 +208,7 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
         except ScheduleConfigError as e:
             result.infeasible.append(Evaluated(c, reason=str(e)))
             continue
-        ev = _first_fit(profile, c, sched, memory_limit, optimizer, exchange, result.infeasible)
+        ev = _first_fit(profile, c, sched, memory_limit, optimizer, exchange, result.infeasible, fixed)
         if ev.reason is not None:
             result.infeasible.append(ev)
             continue
@@ -228,7 +236,7 @@ def _matches(c: Candidate, fixed: Mapping[str, Any], skip: tuple[str, ...]) -> b
 
 
 def _first_fit(profile: Profile, c: Candidate, sched: Schedule, memory_limit: int | None, optimizer: str,
-               exchange: bool, tried: list[Evaluated]) -> Evaluated:
+               exchange: bool, tried: list[Evaluated], fixed: Mapping[str, Any]) -> Evaluated:
     """``c`` estimated as it is; if it does not fit, recomputing, then with ever more of its state in host memory
     (offload); the configurations that did not fit go to ``tried``. Returns the first that fits, else the last
     tried (with its reason)."""
@@ -237,7 +245,7 @@ def _first_fit(profile: Profile, c: Candidate, sched: Schedule, memory_limit: in
         tried.append(ev)
         ev = _evaluate(profile, dataclasses.replace(c, recompute=True), sched, memory_limit, optimizer,
                        exchange, rounds=0, exact=False)
-    for off in _offloads(c, max(1, len(profile.layers) // c.parts)):
+    for off in _offloads(c, max(1, len(profile.layers) // c.parts), fixed):
         if ev.reason is None or "memory" not in ev.reason:
             break
         tried.append(ev)
@@ -246,10 +254,12 @@ def _first_fit(profile: Profile, c: Candidate, sched: Schedule, memory_limit: in
     return ev
 
 
-def _offloads(c: Candidate, layers_per_stage: int) -> list[Offload]:
+def _offloads(c: Candidate, layers_per_stage: int, fixed: Mapping[str, Any]) -> list[Offload]:
     """The offload policies tried, least first, for a candidate that does not fit: every level of the ladder above
     none, then the weights swapped in just before use (prefetch 0), then, with a whole backward, in packs of fewer
-    and fewer layers."""
+    and fewer layers; only the ladder, with them, where ``fixed`` gives the prefetch depth or the pack size."""
+    if "prefetch" in fixed or "offload_pack" in fixed:
+        return [Offload.uniform(lv, fixed.get("prefetch", 1), fixed.get("offload_pack", 0)) for lv in ladder()[1:]]
     out = [Offload.uniform(lv) for lv in ladder()[1:]] + [Offload.uniform(EVERYTHING, prefetch=0)]
     if not c.split_backward:
         out += [Offload.uniform(EVERYTHING, pack=k) for k in range(layers_per_stage - 1, 0, -1)]

@@ -6,6 +6,10 @@ Process groups (created in the same order on every rank):
   confused (NCCL matches p2p messages per communicator in posting order);
 * one group per stage with more than one replica (``Schedule.stage_group``: both Chimera replicas over
   all W data-parallel groups) for the gradient allreduce;
+* for a stage whose gradients are offloaded (``host_stages``), a second group over the same ranks on gloo
+  (:attr:`Communicator.host_groups`): its gradients are summed over host buffers, which NCCL cannot reduce, while
+  its device traffic stays on the groups above. Built on CPU too (where every group is gloo), so the two-group
+  path runs in the CPU tests;
 * one group for tied weights (the ranks holding the first or the last stage), when the model ties them;
 * the default group (all ranks) for the global gradient norm.
 
@@ -16,14 +20,15 @@ the action and the micro-batch.
 Payload modes: ``full`` (training) or ``single-byte`` (profiling compute alone): every p2p message and
 every allreduce carries one byte; a receiver zero-fills its buffer and allreduced tensors keep their local
 values, so results of such a run are not training results. The communicator counts the bytes of every
-message and allreduce it sends (:meth:`Communicator.payload_sizes`).
+message and allreduce it sends (:meth:`Communicator.payload_sizes`) and the operations posted on each group
+(:meth:`Communicator.group_ops`: ``pipe down``, ``stage 1``, ``host 0``, ``tied``, ``all``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -56,11 +61,13 @@ class Communicator:
     """Process groups and timed waits for one rank of a pipeline job."""
 
     def __init__(self, schedule: Schedule, rank: int, tied_ranks: Sequence[int] = (), timeout_s: float = 120.0,
-                 worker_name: str = "", payload: str = "full") -> None:
+                 worker_name: str = "", payload: str = "full", host_stages: Collection[int] = ()) -> None:
         if payload not in PAYLOADS:
             raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
         self.single_byte = payload == "single-byte"
         self._sizes: Counter[int] = Counter()
+        self._ops: Counter[str] = Counter()
+        self._labels: dict[int, str] = {id(None): "all"}  # id of a group -> its name in group_ops()
         self.schedule = schedule
         self.rank = rank
         self.timeout_s = timeout_s
@@ -69,27 +76,60 @@ class Communicator:
         # gloo posts each op independently; NCCL orders a communicator's ops on one stream
         self.prefetch_recvs = self.backend == "gloo"
         world = dist.get_world_size()
-        self.pipe_groups = {pipe: dist.new_group(list(range(world))) for pipe in schedule.pipes}
+        self.pipe_groups = {pipe: self._named(dist.new_group(list(range(world))), f"pipe {pipe}")
+                            for pipe in schedule.pipes}
         self.stage_groups: dict[int, dist.ProcessGroup] = {}
+        self.host_groups: dict[int, dist.ProcessGroup] = {}  # stage -> gloo group for its gradient sums on the host
         for s in range(schedule.stages):
             ranks = schedule.stage_group(s)
-            if len(ranks) > 1:
+            if len(ranks) > 1:  # every rank creates every group, in the same order
                 group = dist.new_group(ranks)
+                host = dist.new_group(ranks, backend="gloo") if s in host_stages else None
                 if rank in ranks:
-                    self.stage_groups[s] = group
+                    self.stage_groups[s] = self._named(group, f"stage {s}")
+                    if host is not None:
+                        self.host_groups[s] = self._named(host, f"host {s}")
+        self._host_ids = {id(g) for g in self.host_groups.values()}
         self.tied_group = None
         if len(tied_ranks) > 1:
             group = dist.new_group(sorted(tied_ranks))
             if rank in tied_ranks:
-                self.tied_group = group
+                self.tied_group = self._named(group, "tied")
+
+    def _named(self, group: Any, label: str) -> Any:
+        self._labels[id(group)] = label
+        return group
+
+    def grad_group(self, stage: int, on_host: bool) -> dist.ProcessGroup | None:
+        """The group that sums ``stage``'s gradients: its host group when they are summed over host buffers
+        (offloaded), else its device group; None where this rank holds no replicated copy of the stage."""
+        return (self.host_groups if on_host else self.stage_groups).get(stage)
+
+    def posts_early(self, group: Any) -> bool:
+        """Whether receives on ``group`` may be posted ahead of their sends: on gloo (every host group), which
+        posts each op independently; not on NCCL, which orders a communicator's ops on one stream."""
+        return self.prefetch_recvs or id(group) in self._host_ids
+
+    def _count(self, t: torch.Tensor, group: Any) -> None:
+        """Count one operation on ``group``; a host tensor on a device (NCCL) group is refused here, by name."""
+        label = self._labels.get(id(group), "other")
+        if t.device.type == "cpu" and self.backend != "gloo" and id(group) not in self._host_ids:
+            raise RuntimeError(f"{self.name}: a host tensor posted on the {self.backend} group '{label}', which reduces "
+                               "device tensors only; host sums go on a host group (Communicator.host_groups)")
+        self._ops[label] += 1
 
     def global_rank(self, worker: int) -> int:
         """Global rank of ``worker`` in this rank's data-parallel group."""
         return (self.rank // self.schedule.workers) * self.schedule.workers + worker
 
     def start_step(self) -> None:
-        """Reset the per-step payload counter."""
+        """Reset the per-step payload and operation counters."""
         self._sizes.clear()
+        self._ops.clear()
+
+    def group_ops(self) -> dict[str, int]:
+        """Group name -> operations this rank posted on it in the current step (a p2p op, an allreduce)."""
+        return dict(self._ops)
 
     def payload_sizes(self) -> dict[int, int]:
         """Bytes per message or allreduce sent by this rank in the current step -> count."""
@@ -109,6 +149,7 @@ class Communicator:
                     op.tensor.zero_()
             ops = [op._replace(tensor=self._payload(op.tensor)) for op in ops]
         for op in ops:
+            self._count(op.tensor, op.group)
             if op.is_send:
                 self._sizes[op.tensor.numel() * op.tensor.element_size()] += 1
         works: list[dist.Work] = [None] * len(ops)  # type: ignore[list-item]
@@ -129,6 +170,7 @@ class Communicator:
     def allreduce_async(self, t: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, dist.Work]:
         """Start a SUM allreduce of ``t`` (one byte in single-byte mode); returns (result tensor, work)."""
         buf = self._payload(t)
+        self._count(buf, group)
         self._sizes[buf.numel() * buf.element_size()] += 1
         return t, dist.all_reduce(buf, group=group, async_op=True)
 

@@ -14,7 +14,8 @@ from chimera.runtime.comm import Communicator, Op
 class GradBuckets:
     """Bucketed, asynchronous SUM-allreduce of a set of parameters' gradients over one group.
 
-    Where the group is a pair of replicas and receives may be posted early (gloo), the sum is an exchange:
+    Where the group is a pair of replicas and receives may be posted early (gloo, which every host group is:
+    ``Communicator.posts_early``), the sum is an exchange:
     :meth:`prepost` posts the receive of the peer's bucket at the start of the step, :meth:`start` sends
     this replica's bucket, :meth:`wait` adds the two. That is one message latency instead of the two
     rounds of a two-rank ring allreduce, for the same bytes; both replicas compute ``a + b == b + a``
@@ -26,7 +27,7 @@ class GradBuckets:
         self.group = group
         self.comm = comm
         others = [r for r in ranks if r != comm.rank]
-        self.peer = others[0] if len(ranks) == 2 and len(others) == 1 and comm.prefetch_recvs else None
+        self.peer = others[0] if len(ranks) == 2 and len(others) == 1 and comm.posts_early(group) else None
         self.buckets: list[list[torch.nn.Parameter]] = []
         size = 0
         for p in params:

@@ -48,9 +48,12 @@ def summarize_step(job: Job, results: list[StepResult]) -> dict[str, Any]:
     step_time = max(r.step_time_s for r in results)
     samples = job.layout.samples
     payloads: dict[int, int] = {}
+    groups: dict[str, int] = {}
     for r in results:
         for size, n in r.payloads.items():
             payloads[size] = payloads.get(size, 0) + n
+        for name, n in r.group_ops.items():
+            groups[name] = groups.get(name, 0) + n
     return {
         "step": results[0].step,
         "loss": sum(r.loss_sum for r in results) / max(1, count),
@@ -63,6 +66,7 @@ def summarize_step(job: Job, results: list[StepResult]) -> dict[str, Any]:
         "comm_bytes": sum(size * n for size, n in payloads.items()),
         "comm_messages": sum(payloads.values()),
         "payload_sizes": {str(k): v for k, v in sorted(payloads.items())},
+        "group_ops": dict(sorted(groups.items())),
         **({"memory_peak_bytes": [r.memory for r in sorted(results, key=lambda r: r.rank)]}
            if results[0].memory else {}),
         **({"swap_bytes": [r.swap_bytes for r in sorted(results, key=lambda r: r.rank)]}
@@ -111,6 +115,10 @@ def local_steps(job: Job, *, return_state: bool = False, timeout_s: float | None
     ``("states", {rank: stage parameters})``; raise :class:`WorkerError` when one fails."""
     t = job.run
     world = job.world_size
+    if t.device == "cuda" and torch.cuda.device_count() < world:
+        raise WorkerError(f"--device cuda runs one worker per GPU (NCCL refuses two ranks on one device): {world} "
+                          f"workers, {torch.cuda.device_count()} GPU(s) visible here; lower --stages x --data-parallel "
+                          "or run where more GPUs are visible")
     packed = cloudpickle.dumps(job)
     remove_partial(job.checkpoint.dir)
     limit = timeout_s if timeout_s is not None else t.timeout_s * (t.steps + 2) + 120

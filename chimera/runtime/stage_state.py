@@ -65,10 +65,13 @@ class StageState:
         tied_ids = {id(p) for p in self.tied}
         self.buckets: dict[StageKey, GradBuckets] = {}
         for (pipe, s), mod in self.modules.items():
-            if s in comm.stage_groups:
-                grad_home = home if offload.gradients_at(s) else _same
+            # offloaded gradients are summed over their host copies, on the stage's host group (gloo)
+            on_host = offload.gradients_at(s)
+            group = comm.grad_group(s, on_host)
+            if group is not None:
+                grad_home = home if on_host else _same
                 params = [grad_home(p) for p in _unique(mod.parameters()) if id(home(p)) not in tied_ids]
-                self.buckets[(pipe, s)] = GradBuckets(params, comm.stage_groups[s], comm, sched.stage_group(s))
+                self.buckets[(pipe, s)] = GradBuckets(params, group, comm, sched.stage_group(s))
         self.params = [home(p) for p in self.device_params]
         self.norm_params = [home(p) for p in self._norm_params(job, dp_rank)]
         self.clip = run.clip_grad

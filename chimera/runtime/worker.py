@@ -60,6 +60,7 @@ class StepResult:
     swap_bytes: int = 0  # bytes moved between host and device (--offload)
     checkpoint_s: float = 0.0  # seconds the step was held by saving a checkpoint (a copy; the write runs behind)
     gc_s: float = 0.0  # seconds of Python garbage collection after the step (--python-gc step), in step_time_s
+    group_ops: dict[str, int] = field(default_factory=dict)  # process group -> operations posted on it
 
 
 class PipelineWorker:
@@ -83,14 +84,20 @@ class PipelineWorker:
         if t.device == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError(f"{self.name}: --device cuda but no GPU is visible to this worker")
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            # one GPU per worker (NCCL refuses two ranks on one device): Ray shows each actor its own GPU only;
+            # local processes share the visible ones, by LOCAL_RANK (torchrun) or by rank
+            index = int(os.environ.get("LOCAL_RANK", self.rank)) % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
         else:
             self.device = torch.device("cpu")
             keep_freed_memory()
         torch.set_num_threads(t.threads)
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=self.init_method,
                                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=t.timeout_s))
-        self.comm = Communicator(sched, self.rank, tied_ranks(self.job), t.timeout_s, self.name, t.comm_payload)
+        host_stages = [s for s in range(sched.stages) if self.job.offload.gradients_at(s)]
+        self.comm = Communicator(sched, self.rank, tied_ranks(self.job), t.timeout_s, self.name, t.comm_payload,
+                                 host_stages)
         self.stages = StageState(self.job, self.worker, self.dp_rank, self.device, self.comm)
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if t.amp and self.device.type == "cuda"
                     else nullcontext())
@@ -164,7 +171,7 @@ class PipelineWorker:
         held = self.checkpoints.after_step(step) if self.checkpoints else 0.0
         return StepResult(step, self.rank, loss_sum, loss_count, elapsed, grad_norm, events, digests,
                           self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {},
-                          self.stages.host.moved if self.stages.host else 0, held, gc_s)
+                          self.stages.host.moved if self.stages.host else 0, held, gc_s, self.comm.group_ops())
 
     def _optimizer_step(self, a: Action, st: StepState) -> None:
         self.batches.wait_sends()
