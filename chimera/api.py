@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
-from chimera.compile import compile_job
+from chimera.compile import compile_job, default_run_dir
 from chimera.config import ConfigError, TrainConfig
 from chimera.job import Job
 from chimera.models import LayerChain, SequentialModel
 from chimera.runtime.launch import local_steps
 from chimera.runtime.reference import stage_params_by_layer
+from chimera.timeline.tensorboard import TensorBoardWriter
 
 
 def request(config: TrainConfig | None = None, **fields: Any) -> TrainConfig:
@@ -78,6 +79,9 @@ class Run:
         self.job = job
         self.records: list[dict[str, Any]] = []
         self._model: SequentialModel | None = None
+        #: with ``tensorboard=True``: where the records go as TensorBoard scalars (``runs/NAME-TIME/tensorboard``)
+        self.tensorboard_dir = default_run_dir(job.name) / "tensorboard" if job.timeline.tensorboard else None
+        self._board = TensorBoardWriter(self.tensorboard_dir) if self.tensorboard_dir else None
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._done = False
         self._error: BaseException | None = None
@@ -109,12 +113,16 @@ class Run:
         kind, payload = self._queue.get()
         if kind == "step":
             self.records.append(payload[0])
+            if self._board is not None:
+                self._board.write(payload[0])
         elif kind == "states":
             self._model = assemble(self.job, payload)
         elif kind == "error":
             self._error = payload
         elif kind == "end":
             self._thread.join()
+            if self._board is not None:
+                self._board.close()
             self._done = True
             return False
         return True

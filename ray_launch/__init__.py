@@ -26,10 +26,15 @@ def train(chain: Any = None, data: Any = None, launch: Any = None, *, out: str |
           **fields: Any) -> list[dict[str, Any]]:
     """``chimera.train`` on Ray: the same chain, data and fields, one Ray actor per worker (``launch``: a
     :class:`ray_launch.config.LaunchConfig`, default a local Ray on loopback; ``out``: a metrics file, appended to;
-    ``progress``: a progress bar). Returns one record per step."""
+    ``progress``: a progress bar). Returns one record per step. A restart onto nodes that cannot host every worker
+    re-partitions onto fewer stages (``ray_launch.recovery``)."""
     keep_local_ray_on_loopback(["--address"] if launch is not None and launch.address else [])
     # imported here, not above: Ray reads the loopback setting when it is first imported
     from chimera.api import build_job
     from ray_launch.recovery import run
 
-    return run(build_job(chain, data, **fields), launch, out=out, progress=progress)
+    def refit(stages: int, resume: str | None) -> Any:
+        more = {"partition": "uniform"} if "," in str(fields.get("partition", "")) else {}
+        return build_job(chain, data, **{**fields, **more, "stages": stages, "resume": resume})
+
+    return run(build_job(chain, data, **fields), launch, out=out, progress=progress, refit=refit)

@@ -52,6 +52,11 @@ class WorkerActor:
         assert self.worker is not None, "setup() first"
         return self.worker.train_step(step)
 
+    def checkpoint(self, step: int) -> str:
+        """Write a checkpoint of the state after ``step`` now (every rank at once); its directory."""
+        assert self.worker is not None, "setup() first"
+        return self.worker.save(step)
+
     @ray.method(concurrency_group="control")
     def pending(self) -> dict[str, Any] | None:
         """The step and the action this worker runs or waits on (None before setup)."""

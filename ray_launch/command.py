@@ -6,13 +6,17 @@
 
 Every run gets a directory (``--run-dir``, default ``runs/NAME-TIME``) with its metrics (``metrics.jsonl``), its
 resolved configuration (``config.toml``: ``--config`` of it trains the same job) and, with ``--profile``, its
-timeline files.
+timeline files; with ``--tensorboard``, TensorBoard scalars under ``tensorboard/``.
+
+Exit codes: 0 done; 1 the run failed; 2 a configuration error; 75 stopped by SIGTERM with a final checkpoint (the
+message says how to continue); 143 stopped at once (a second SIGTERM, the grace period spent, or SIGTERM without
+``--checkpoint-dir``); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
+import logging
 import statistics
 import sys
 import time
@@ -20,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from chimera.checkpoint import complete
+from chimera.cli import LEVELS, configure_logging
 from chimera.cli.options import (
     Parser,
     UsageError,
@@ -35,7 +41,12 @@ from chimera.config import ConfigError, dump, writable_path
 from chimera.job import Job
 from ray_launch.config import LaunchConfig
 from ray_launch.driver import RunError
-from ray_launch.recovery import RunReport, run
+from ray_launch.preemption import Preemption, Terminated
+from ray_launch.recovery import Refit, RunReport, run
+
+logger = logging.getLogger("chimera.train")
+PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM with a final checkpoint; run again with --resume
+TERMINATED = 143  # 128 + SIGTERM: stopped at once
 
 DESCRIPTION = ("Train a model with pipeline parallelism on Ray: one actor per worker. Every field can also be set "
                "in a TOML file given with --config (sections as the groups below; flags override the file).")
@@ -52,6 +63,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                      "(default: RUN_DIR/metrics.jsonl)")
     deprecated_alias(out, "--out", "--output", "output")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("--log-level", default="info", choices=LEVELS, help="what the run logs to stderr "
+                     "(default: info)")
     out.add_argument("--dry-run", action="store_true", help="compile the job, print its decisions and resolved "
                      "configuration, and stop before starting Ray")
 
@@ -80,26 +93,36 @@ def _outputs(ns: argparse.Namespace, job: Job) -> tuple[Path, Path, Path]:
     return run_dir, metrics, config
 
 
-def _compile(ns: argparse.Namespace) -> tuple[Job, LaunchConfig, Any]:
+def _compile(ns: argparse.Namespace) -> tuple[Job, LaunchConfig, Any, Refit]:
+    """The job, the launch options, the resolved request, and the request compiled on fewer stages (a restart onto
+    the nodes left)."""
     cfg, parts = config_from_args(ns, {"launch": LaunchConfig})
     launch = section_from_args(ns, "launch", parts["launch"]).check()
-    job = compile_job(cfg, log=lambda msg: print(msg, file=sys.stderr))
+    job = compile_job(cfg, log=logger.info)
     if launch.max_restarts and job.checkpoint.dir is None:
         raise ConfigError("--max-restarts restarts from the last checkpoint: add --checkpoint-dir DIR and "
                           "--checkpoint-every K")
-    return job, launch, resolved_config(cfg, job)
+
+    def refit(stages: int, resume: str | None) -> Job:
+        flags: dict[str, Any] = {"stages": stages, "resume": resume}
+        if "," in cfg.schedule.partition:  # layers per stage for the old depth
+            flags["partition"] = "uniform"
+        return compile_job(cfg.with_flags(**flags), log=logger.info)
+
+    return job, launch, resolved_config(cfg, job), refit
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    """Run from parsed flags; configuration errors: one line, exit code 2."""
+    """Run from parsed flags; configuration errors: one line, exit code 2 (the module docstring lists the codes)."""
+    configure_logging(ns.log_level)
     try:
-        job, launch, resolved = _compile(ns)
+        job, launch, resolved, refit = _compile(ns)
         run_dir, metrics, config = _outputs(ns, job)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for line in job.decisions:
-        print(line, file=sys.stderr)
+        logger.info(line)
     text = dump(resolved, {"launch": launch})
     if ns.dry_run:
         print(text, end="")
@@ -107,23 +130,51 @@ def cmd_train(ns: argparse.Namespace) -> int:
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(text)
     if job.resume is not None:
-        print(f"resume: from step {job.resume.step} of {job.resume.path}", file=sys.stderr)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        logger.info(f"resume: from step {job.resume.step} of {job.resume.path}")
+    stop = Preemption(launch.grace_period_s, can_save=job.checkpoint.dir is not None)
+    stop.install()
     report = RunReport()
     try:
         records = run(job, launch, out=metrics, progress=not ns.no_progress, report=report,
-                      profile_dir=run_dir if job.timeline.profile or job.timeline.nsys else None)
+                      profile_dir=run_dir if job.timeline.profile or job.timeline.nsys else None,
+                      tensorboard_dir=run_dir / "tensorboard", stop=stop, refit=refit)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Terminated as e:
+        print(f"stopped: {e}; {_last_checkpoint(job)}", file=sys.stderr)
+        return TERMINATED
     except KeyboardInterrupt:
         print("interrupted: all actors stopped", file=sys.stderr)
         return 130
+    finally:
+        stop.restore()
+    if report.stopped is not None:
+        _stopped(job, report.stopped, ns, run_dir, metrics, config)
+        return PREEMPTED
     _summary(job, records, report, metrics, config)
     return 0
+
+
+def _last_checkpoint(job: Job) -> str:
+    done = complete(job.checkpoint.dir) if job.checkpoint.dir and Path(job.checkpoint.dir).is_dir() else []
+    return f"the last complete checkpoint: {done[-1]}" if done else "no checkpoint was written"
+
+
+def _stopped(job: Job, event: dict[str, Any], ns: argparse.Namespace, run_dir: Path, metrics: Path,
+             config: Path) -> None:
+    """What SIGTERM left and the command that continues the run (the same metrics file)."""
+    where = f"--output {metrics}" if ns.output else f"--run-dir {run_dir}"
+    if event["checkpoint"] is None:
+        print(f"{job.name}: stopped by SIGTERM before any step: no checkpoint; start again with: chimera train "
+              f"--config {config}", file=sys.stderr)
+        return
+    print(f"{job.name}: stopped by SIGTERM with {event['steps_done']} of {job.run.steps} steps done; checkpoint "
+          f"{event['checkpoint']}; continue with: chimera train --config {config} --resume {job.checkpoint.dir} "
+          f"{where}", file=sys.stderr)
 
 
 def _summary(job: Job, records: list[dict[str, Any]], report: RunReport, metrics: Path, config: Path) -> None:

@@ -14,7 +14,7 @@ Without ``launch.address`` (and no Ray connected) a local Ray on loopback is sta
 from __future__ import annotations
 
 import contextlib
-import sys
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,9 +25,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from chimera.profile.comm import SIZES, fit_comm
 from chimera.profile.format import CommProfile
 from ray_launch.actor import WorkerActor
+from ray_launch.cluster import connect, reserve, worker_env
 from ray_launch.config import LaunchConfig
-from ray_launch.driver import _gather, connect, reserve, worker_env
+from ray_launch.driver import _gather
 from ray_launch.rendezvous import FileRendezvous, on_driver_node
+
+logger = logging.getLogger(__name__)
 
 
 def measure_comm_ray(world: int, device: str = "cpu", launch: LaunchConfig | None = None, *,
@@ -90,4 +93,4 @@ def describe(results: Sequence[dict[str, Any]], placement: str) -> str:
 def probe_from_args(args: Any) -> CommProfile:
     """``chimera profile --comm ray``: ``--probe-workers`` Ray workers on ``--address`` (or a local Ray)."""
     return measure_comm_ray(args.probe_workers, args.device, LaunchConfig(address=args.address),
-                            log=lambda msg: print(msg, file=sys.stderr))
+                            log=logger.info)

@@ -2,7 +2,8 @@
 the request's sections (``chimera.config.fields``), so the ``[launch]`` table of a config file and the flags of
 ``chimera train`` come from these declarations.
 
-    launch = LaunchConfig(address="auto", placement="spread", pre_cmd=("nvidia-smi -L",), max_restarts=2)
+    launch = LaunchConfig(address="auto", placement="spread", pre_cmd=("nvidia-smi -L",), max_restarts=2,
+                          grace_period_s=60)
     launch.check()     # raises ConfigError with what to change, before Ray starts
 """
 
@@ -31,10 +32,16 @@ class LaunchConfig:
                                     "--address is given)")
     py_modules: tuple[str, ...] = option((), "your own package or module (a path) shipped to the workers, e.g. what "
                                          "--chain imports (repeatable)")
-    connect_timeout_s: float = option(60.0, "seconds to join the Ray cluster and reserve the workers' resources",
-                                      flag="--connect-timeout", unit="seconds", minimum=0.001)
-    max_restarts: int = option(0, "after a lost worker, restart from the last checkpoint at most this often (needs "
-                               "--checkpoint-dir)", minimum=0)
+    connect_timeout_s: float = option(60.0, "seconds to join the Ray cluster and reserve the workers' resources; "
+                                      "after a worker stops answering, how long Ray may take to declare its node "
+                                      "dead", flag="--connect-timeout", unit="seconds", minimum=0.001)
+    max_restarts: int = option(0, "after a lost worker or node, restart from the last checkpoint at most this often, "
+                               "on fewer stages when the nodes left cannot host them all (needs --checkpoint-dir)",
+                               minimum=0)
+    grace_period_s: float = option(25.0, "on SIGTERM: finish the steps in flight and write a checkpoint within this "
+                                   "long (needs --checkpoint-dir), then exit with code 75; a second SIGTERM or the "
+                                   "time running out stops at once (exit 143)", flag="--grace-period",
+                                   unit="seconds", minimum=0.001)
 
     def check(self) -> LaunchConfig:
         """Raise :class:`ConfigError` naming the flag to change; return self."""

@@ -1,4 +1,5 @@
-"""The Ray driver: start or join Ray, place one actor per worker, rendezvous, train, report, clean up.
+"""The Ray driver: start or join Ray (:mod:`ray_launch.cluster`), place one actor per worker, rendezvous, train,
+report, clean up.
 
 Usage::
 
@@ -12,25 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
+import logging
 import shutil
-import socket
-import sys
-import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-import chimera
-import ray_launch
 from chimera.checkpoint import remove_partial
 from chimera.config import ConfigError
 from chimera.job import Job
@@ -39,13 +35,12 @@ from chimera.runtime.comm import StallError
 from chimera.runtime.hang import hang_report
 from chimera.runtime.launch import WorkerError
 from ray_launch.actor import WorkerActor
+from ray_launch.cluster import RunError, connect, reserve, worker_env
 from ray_launch.config import LaunchConfig
-from ray_launch.placement import PlacementError, assign, cluster_nodes, format_map, run_pre_commands
-from ray_launch.rendezvous import FileRendezvous, keep_on_loopback, on_driver_node
+from ray_launch.placement import run_pre_commands
+from ray_launch.rendezvous import FileRendezvous, on_driver_node
 
-
-class RunError(RuntimeError):
-    """The run failed; the message names the worker and what it was doing."""
+logger = logging.getLogger(__name__)
 
 
 class WorkerLost(RunError):
@@ -54,22 +49,6 @@ class WorkerLost(RunError):
 
 class Stalled(RunError):
     """A worker's blocking wait ran past ``--timeout``."""
-
-
-def _check_reachable(address: str, timeout_s: float) -> None:
-    """Fail fast with a clear message when host:port of ``address`` does not accept connections."""
-    if address in ("auto", "local"):
-        return
-    hostport = address.split("://", 1)[-1]
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        raise RunError(f"--address {address!r} is not 'auto' or host:port (e.g. 10.0.0.1:6379)")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            pass
-    except OSError as e:
-        raise RunError(f"cannot reach the Ray cluster at --address {address}: {e.strerror or e} (is `ray start --head` "
-                       "running there and the port open? omit --address to run on a local Ray)") from None
 
 
 def _bundle(job: Job) -> dict[str, float]:
@@ -117,89 +96,11 @@ def _failure(ref: Any, rank: int, what: str, wait: bool = True) -> RunError | No
         cause = e.cause if getattr(e, "cause", None) is not None else e
         kind = Stalled if isinstance(cause, StallError) else RunError
         return kind(f"worker {rank} failed in {what}: {type(cause).__name__}: {cause}")
+    except ActorUnavailableError as e:  # unreachable, not known dead: RayJob.collect asks whether it is lost
+        return RunError(f"worker {rank} did not answer in {what}: {str(e).splitlines()[0]}")
     except RayActorError as e:
         return WorkerLost(f"worker {rank} died in {what}: {e}")
     return None
-
-
-def connect(launch: LaunchConfig, world: int) -> bool:
-    """Connect this driver to Ray unless it already is: join ``launch.address`` (within its connect timeout) or
-    start a local Ray on loopback with room for ``world`` workers. Returns whether Ray was started here (then the
-    caller shuts it down)."""
-    if ray.is_initialized():
-        return False
-    if not launch.address:
-        ray.init(address="local", num_cpus=max(world, os.cpu_count() or 1), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=True, runtime_env=job_runtime_env(launch))
-        return True
-    timeout = launch.connect_timeout_s
-    _check_reachable(launch.address, min(10.0, timeout))
-    errors: list[BaseException] = []
-
-    def init() -> None:
-        try:
-            ray.init(address=launch.address, log_to_driver=True, runtime_env=job_runtime_env(launch))
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    t = threading.Thread(target=init, daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive() or errors:
-        why = f"{type(errors[0]).__name__}: {str(errors[0]).splitlines()[0]}" if errors else \
-            f"no answer within {timeout:g} s"
-        raise RunError(f"cannot connect to the Ray cluster at --address {launch.address}: {why} (is a Ray head "
-                       "running there, with the same auth token? omit --address to run on a local Ray)")
-    return False
-
-
-def job_runtime_env(launch: LaunchConfig) -> dict[str, Any] | None:
-    """Ship chimera's packages to every node (``py_modules``) when joining a cluster, unless told not to, and the
-    user's own modules (``--py-modules``: what ``--chain`` imports) always."""
-    ship = launch.ship_code if launch.ship_code is not None else bool(launch.address)
-    ours = [str(Path(chimera.__file__).parent), str(Path(ray_launch.__file__).parent)] if ship else []
-    modules = ours + [str(Path(m).resolve()) for m in launch.py_modules]
-    return {"py_modules": modules} if modules else None
-
-
-def worker_env(launch: LaunchConfig, local: bool = False) -> dict[str, str]:
-    """Environment of the workers: the driver's NCCL_*/GLOO_* variables and ``--env``; a ``local`` run's gloo
-    uses the loopback interface unless GLOO_SOCKET_IFNAME is set (``ray_launch.rendezvous``)."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_"))}
-    env.update(e.split("=", 1) for e in launch.env)
-    return keep_on_loopback(env) if local else env
-
-
-def reserve(world: int, bundle: dict[str, float], launch: LaunchConfig, workers: int, log: Any
-            ) -> tuple[Any, list[str]]:
-    """Place ``world`` workers by ``launch.placement`` (``workers`` per pipeline, for the map it logs) and reserve
-    one ``bundle`` for each on its node; returns (placement group, node id of every rank)."""
-    have = ray.cluster_resources()
-    for res, amount in bundle.items():
-        if have.get(res, 0) < amount * world:
-            raise RunError(f"the Ray cluster has {have.get(res, 0):g} {res} but {world} workers need "
-                           f"{amount * world:g}; lower --stages/--data-parallel or add nodes")
-    timeout = launch.connect_timeout_s
-    deadline = time.monotonic() + timeout
-    while True:  # resources of a job that just ended are freed asynchronously: wait for them a while
-        nodes = cluster_nodes("GPU" if "GPU" in bundle else "CPU")
-        try:
-            node_of_rank = assign(launch.placement, world, nodes)
-            break
-        except PlacementError as e:
-            if time.monotonic() > deadline:
-                raise RunError(f"{e} (waited {timeout:g} s)") from None
-            time.sleep(0.5)
-    log(format_map(node_of_rank, nodes, workers))
-    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK",
-                         bundle_label_selector=[{"ray.io/node-id": nid} for nid in node_of_rank])
-    try:
-        ray.get(pg.ready(), timeout=timeout)
-    except GetTimeoutError:
-        remove_placement_group(pg)
-        raise RunError(f"could not reserve {world} x {bundle} within {timeout:g} s "
-                       f"(available now: {ray.available_resources()})") from None
-    return pg, node_of_rank
 
 
 class RayJob:
@@ -213,7 +114,7 @@ class RayJob:
         if job.timeline.nsys and shutil.which("nsys") is None:
             raise ConfigError("--nsys needs Nsight Systems' `nsys` on PATH, and it is not there; install Nsight "
                               "Systems (https://developer.nvidia.com/nsight-systems) or drop --nsys")
-        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.log = log or logger.info
         self.node_of_rank: list[str] = []
         self.connect_timeout_s = self.launch.connect_timeout_s
         self.started_ray = False
@@ -330,15 +231,57 @@ class RayJob:
         return [a.step.remote(step) for a in self.actors]
 
     def collect(self, step: int, refs: list[Any]) -> dict[str, Any]:
-        """Wait for the results of a submitted ``step``; return the metrics record."""
+        """Wait for the results of a submitted ``step``; return the metrics record. A failure where a worker no
+        longer answers and Ray declares its node dead is a :class:`WorkerLost` (a lost node)."""
         try:
             results = _gather(refs, f"step {step}", self.job.run.timeout_s * 5 + 60)
-        except Stalled as e:
-            raise Stalled(f"{e}\n{self.hang_report()}") from None
+        except WorkerLost:
+            raise
+        except RunError as e:
+            lost = self.lost_workers()
+            if lost:
+                raise WorkerLost(f"{lost} (in step {step}: {str(e).splitlines()[0]})") from None
+            if isinstance(e, Stalled):
+                raise Stalled(f"{e}\n{self.hang_report()}") from None
+            raise
         try:
             return summarize_step(self.job, results) | {"_results": results}
         except WorkerError as e:
             raise RunError(str(e)) from None
+
+    def lost_workers(self, answer_s: float = 5.0) -> str | None:
+        """After a failed step: which workers are lost, or None. A worker is lost when it does not answer a call of
+        its control group within ``answer_s`` (a live one answers at once, even inside a blocked step) and then Ray
+        reports its actor dead or its node dead, within ``--connect-timeout`` (Ray declares a node dead once it
+        misses its health checks: ~15 s by default)."""
+        refs = [a.pending.remote() for a in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=answer_s)
+        silent = []
+        for r, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ActorUnavailableError:
+                silent.append(r)
+            except RayActorError:
+                return f"worker {r} died"
+            except Exception:  # no answer in time
+                silent.append(r)
+        if not silent:
+            return None
+        nodes = {self.node_of_rank[r] for r in silent}
+        deadline = time.monotonic() + self.connect_timeout_s
+        while time.monotonic() < deadline:
+            dead = nodes - {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            if dead:
+                ranks = [r for r in silent if self.node_of_rank[r] in dead]
+                return f"worker(s) {ranks} lost with their node {', '.join(sorted(n[:12] for n in dead))}"
+            time.sleep(0.5)
+        return None
+
+    def checkpoint(self, step: int) -> str:
+        """Write a checkpoint of the state after ``step`` (the last step run) on every worker now; its directory."""
+        refs = [a.checkpoint.remote(step) for a in self.actors]
+        return _gather(refs, f"checkpoint after step {step}", self.job.run.timeout_s + 60)[0]
 
     def hang_report(self, timeout_s: float = 5.0) -> str:
         """Every worker's pending action on the step x worker grid of its data-parallel group, and who waits for
@@ -360,13 +303,15 @@ class RayJob:
         """Run one step on every worker; return the metrics record."""
         return self.collect(step, self.submit(step))
 
-    def steps(self, steps: Iterable[int], ahead: int = 1) -> Iterator[dict[str, Any]]:
+    def steps(self, steps: Iterable[int], ahead: int = 1, stop: Callable[[], bool] | None = None
+              ) -> Iterator[dict[str, Any]]:
         """Run ``steps`` in order, keeping ``ahead`` further steps queued on the actors; yield each record.
 
         A worker that finishes a step starts the next one at once instead of waiting for the driver's
         round trip (a few ms of Ray RPC per step, paid on the critical path). Records come in step order;
         the first failure is raised before any later step is collected, and the queued steps die with the
-        actors when the job closes.
+        actors when the job closes. Once ``stop()`` is true no step is queued any more: the steps queued already
+        finish and are yielded.
 
             with RayJob(job) as ray_job:
                 for rec in ray_job.steps(range(job.run.steps)):
@@ -375,12 +320,23 @@ class RayJob:
         if ahead < 0:
             raise ValueError(f"ahead must be >= 0, got {ahead}")
         queued: deque[tuple[int, list[Any]]] = deque()
-        for step in steps:
-            queued.append((step, self.submit(step)))
-            if len(queued) > ahead:
+        try:
+            for step in steps:
+                if stop is not None and stop():
+                    break
+                queued.append((step, self.submit(step)))
+                if len(queued) > ahead:
+                    yield self.collect(*queued.popleft())
+            while queued:
                 yield self.collect(*queued.popleft())
-        while queued:
-            yield self.collect(*queued.popleft())
+        except Exception:
+            # the steps queued behind a failed one fail too: read their errors, or Ray logs each as unhandled
+            refs = [ref for _, step_refs in queued for ref in step_refs]
+            ready = ray.wait(refs, num_returns=len(refs), timeout=1.0)[0] if refs else []
+            for ref in ready:
+                with contextlib.suppress(Exception):
+                    ray.get(ref, timeout=0)
+            raise
 
     def states(self) -> list[dict[tuple[str, int], dict[str, torch.Tensor]]]:
         """Every rank's stage parameters (CPU tensors)."""

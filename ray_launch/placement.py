@@ -60,6 +60,18 @@ def cluster_nodes(resource: str) -> list[Node]:
     return nodes
 
 
+def capacity(resource: str) -> int:
+    """Workers the alive nodes can host at most (their total slots of ``resource``, used or not): fewer than a
+    job's workers means the job no longer fits, however long it waits."""
+    total = 0
+    for n in ray.nodes():
+        if n.get("Alive"):
+            res = n.get("Resources", {})
+            slots = int(res.get(resource, 0.0) + 1e-9)
+            total += min(slots, int(res.get("CPU", 0.0) + 1e-9)) if resource == "GPU" else slots
+    return total
+
+
 def assign(policy: str, world: int, nodes: Sequence[Node]) -> list[str]:
     """Node id of every rank under ``policy``; raises :class:`PlacementError` if the workers do not fit."""
     if policy not in POLICIES:

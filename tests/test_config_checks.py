@@ -150,7 +150,7 @@ def test_fuzz_flag_text_refused_by_argparse_naming_the_flag(flag, text):
     cfg, _ = config_from_args(ns)
     cfg = cfg.with_flags(partition="uniform")  # the flag's checks, not a planning profile per example
     launcher = {f.name for f in dataclasses.fields(LaunchConfig)} | {"config", "run_dir", "output", "no_progress",
-                                                                      "dry_run"}
+                                                                      "dry_run", "log_level"}
     assert set(vars(ns)) <= set(CONFIG_FIELDS) | launcher
     try:
         compile_job(cfg, CHAIN, _data)

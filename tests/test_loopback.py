@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ray_launch.cluster import worker_env
 from ray_launch.config import LaunchConfig
-from ray_launch.driver import worker_env
 from tests.procs import TAG, alive, family, head_env, listeners, not_loopback
 
 pytestmark = pytest.mark.ray

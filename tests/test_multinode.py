@@ -12,8 +12,9 @@ import pytest
 from chimera.compile import compile_job
 from chimera.config import TrainConfig
 from chimera.runtime import stage_params_by_layer, train_sequential
+from ray_launch.cluster import _check_reachable
 from ray_launch.config import LaunchConfig
-from ray_launch.driver import RayJob, RunError, _check_reachable
+from ray_launch.driver import RayJob, RunError
 from ray_launch.placement import Node, PlacementError, assign
 from tests.conftest import node_ids
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from chimera.cli.options import Parser, UsageError
 from chimera.schedule import ScheduleConfigError, ScheduleError
@@ -37,6 +39,48 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 #: ``chimera profile --comm NAME`` -> "module:function" measuring it from the parsed flags (the Ray layer adds ``ray``)
 PROBES: dict[str, str] = {"local": "chimera.cli.profile:local_probe"}
+
+
+#: ``--log-level`` choices
+LEVELS = ("debug", "info", "warning", "error")
+
+
+class _Format(logging.Formatter):
+    """Info lines as they are; other levels prefixed (``WARNING: ...``), debug ones with the logger's name."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if record.levelno == logging.INFO:
+            return text
+        if record.levelno < logging.INFO:
+            return f"{record.levelname} {record.name}: {text}"
+        return f"{record.levelname}: {text}"
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler writing to ``sys.stderr`` as it is at each record (not as it was when configured)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def configure_logging(level: str = "info") -> None:
+    """Send the library's log records (``chimera.*``, ``ray_launch.*``) at ``level`` and above to stderr; called
+    by every command (``chimera train --log-level`` chooses the level)."""
+    root = logging.getLogger()
+    handler = next((h for h in root.handlers if isinstance(h.formatter, _Format)), None)
+    if handler is None:
+        handler = _Stderr()
+        handler.setFormatter(_Format("%(message)s"))
+        root.addHandler(handler)
+    for name in ("chimera", "ray_launch"):
+        logging.getLogger(name).setLevel(level.upper())
+    root.setLevel(min(logging.WARNING, logging.getLevelName(level.upper())))
 
 
 def register_command(name: str, module: str, help: str) -> None:
@@ -66,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``chimera`` console script (the Ray layer's ``ray_launch.cli.main`` adds ``train``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in COMMANDS else None
+    configure_logging()
     try:
         args = build_parser(command).parse_args(argv)
         return int(args.func(args) or 0)

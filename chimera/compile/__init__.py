@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,10 @@ from chimera.models import ChainError, LayerChain
 from chimera.offload.policy import Offload
 from chimera.plan.partition import layers_of
 from chimera.schedule import ScheduleError, validate
+from chimera.timeline import tensorboard
 
 __all__ = ["Budget", "ConfigError", "Model", "PartitionDecision", "ScheduleDecision", "choices", "compile_job",
-           "resolved_config", "run_name", "worker_threads"]
+           "default_run_dir", "resolved_config", "run_name", "worker_threads"]
 
 
 def worker_threads(cfg: TrainConfig, world: int) -> int:
@@ -51,6 +53,11 @@ def run_name(model: str, decision: ScheduleDecision, device: str, payload: str) 
     tail = "" if payload == "full" else f"_{payload}"
     return (f"{model}_{lay.schedule}_{lay.stages}stages_{lay.stages * lay.data_parallel}{unit}_"
             f"microbs{lay.micro_batch_size}_acc{acc}{tail}")
+
+
+def default_run_dir(name: str) -> Path:
+    """Where a run's outputs go unless told: ``runs/NAME-TIME`` (a new directory per run)."""
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def compile_job(cfg: TrainConfig, chain: LayerChain | None = None, data: Any = None, *,
@@ -117,7 +124,9 @@ def _run_options(cfg: TrainConfig, threads: int) -> RunOptions:
 
 def _timeline(cfg: TrainConfig) -> TimelineOptions:
     p = cfg.profiling
-    return TimelineOptions(p.profile, tuple(p.profile_steps), p.nsys, p.profile_memory)
+    if p.tensorboard and not tensorboard.available():
+        raise ConfigError(tensorboard.MISSING)
+    return TimelineOptions(p.profile, tuple(p.profile_steps), p.nsys, p.profile_memory, p.tensorboard)
 
 
 def _checkpoint(cfg: TrainConfig) -> CheckpointOptions:

@@ -107,7 +107,7 @@ class MemorySection:
 
 @dataclass(frozen=True)
 class ProfilingSection:
-    """Timelines: per-action events, Nsight, single-byte payloads, memory accounting."""
+    """Timelines: per-action events, Nsight, single-byte payloads, memory accounting; metrics to TensorBoard."""
 
     profile: bool = option(False, "record per-action timeline events and write the run's trace, plots and summary")
     profile_steps: tuple[int, ...] = option((), "steps to record, e.g. 5,6,7 (default: all)")
@@ -116,6 +116,9 @@ class ProfilingSection:
                                "timelines; not a training result)", choices=("full", "single-byte"))
     profile_memory: bool = option(False, "account the bytes every worker holds (parameters, gradients, optimizer "
                                   "state, stashed activations, messages) and report each step's peak")
+    tensorboard: bool = option(False, "also write every step's metrics as TensorBoard scalars, under the run "
+                               "directory's tensorboard/ (needs the tensorboard package: pip install "
+                               "'chimera[tensorboard]')")
 
 
 @dataclass(frozen=True)

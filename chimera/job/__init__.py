@@ -52,12 +52,14 @@ class RunOptions:
 
 @dataclass(frozen=True)
 class TimelineOptions:
-    """What the workers record: timeline events (which steps), Nsight, memory accounting."""
+    """What the workers record: timeline events (which steps), Nsight, memory accounting; and whether the launcher
+    also writes the metrics as TensorBoard scalars."""
 
     profile: bool = False
     steps: tuple[int, ...] = ()
     nsys: bool = False
     memory: bool = False
+    tensorboard: bool = False
 
     def records(self, step: int) -> bool:
         """Whether ``step`` records timeline events (all steps unless ``steps`` names some)."""

@@ -127,6 +127,22 @@ class LayerChain:
             h.update(json.dumps([[list(s.shape), str(s.dtype), s.requires_grad] for s in specs]).encode())
         return h.hexdigest()[:16]
 
+    def tokens_per_sample(self) -> int | None:
+        """Token positions in one sample (padding included): the elements per sample of the example's
+        ``input_ids`` (inputs as a dict, as transformers models take them), else of its first integer tensor; None
+        when the inputs hold no integer tensor (the samples are not token sequences)."""
+        inputs = self.example[0]
+        if isinstance(inputs, dict) and isinstance(inputs.get("input_ids"), torch.Tensor):
+            found: list[torch.Tensor] = [inputs["input_ids"]]
+        else:
+            leaves = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, (list, tuple)) \
+                else [inputs]
+            found = [t for t in leaves if isinstance(t, torch.Tensor) and not t.is_floating_point()
+                     and not t.is_complex() and t.dtype != torch.bool]
+        if not found or found[0].dim() == 0 or found[0].shape[0] == 0:
+            return None
+        return found[0].numel() // found[0].shape[0]
+
     def tied_parameters(self) -> list[Tied]:
         """Pairs ``((layer, param_name), (layer, param_name))`` that are one parameter of the model."""
         return list(self.tied)  # type: ignore[arg-type]

@@ -124,6 +124,18 @@ class Checkpointer:
             self.wait()
         return held
 
+    def save_now(self, step: int) -> str:
+        """Save the state after ``step`` now, whether due or not (the last step a stopped run finished), and wait
+        until it is written; returns its directory. Every rank calls it (the write is collective)."""
+        if self.root is None:
+            raise RuntimeError(f"worker {self.rank}: no --checkpoint-dir to save to")
+        if not self.due(step):  # a due step's save is already under way
+            self.wait()
+            state = self._copy()
+            self._write(step + 1, state, self._manifest(step + 1) if self.rank == 0 else None)
+        self.wait()
+        return str(step_dir(self.root, step + 1))
+
     def _copy(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
         opt = self.stages.optimizer.state

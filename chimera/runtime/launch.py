@@ -35,7 +35,9 @@ class WorkerError(RuntimeError):
 
 
 def summarize_step(job: Job, results: list[StepResult]) -> dict[str, Any]:
-    """One metrics record from all workers' results of one step."""
+    """One metrics record from all workers' results of one step. ``lr``: the learning rate of the step's update;
+    ``tokens_per_s``: ``samples_per_s`` times the token positions of a sample (padding included;
+    :meth:`~chimera.models.LayerChain.tokens_per_sample`), None for a model whose input has no token ids."""
     by_stage: dict[int, set[str]] = {}
     for r in results:
         for (_, stage), digest in r.digests.items():
@@ -54,11 +56,15 @@ def summarize_step(job: Job, results: list[StepResult]) -> dict[str, Any]:
             payloads[size] = payloads.get(size, 0) + n
         for name, n in r.group_ops.items():
             groups[name] = groups.get(name, 0) + n
+    per_s = samples / step_time if step_time > 0 else float("inf")
+    tokens = job.chain.tokens_per_sample()
     return {
         "step": results[0].step,
         "loss": sum(r.loss_sum for r in results) / max(1, count),
+        "lr": results[0].lr,
         "step_time_s": step_time,
-        "samples_per_s": samples / step_time if step_time > 0 else float("inf"),
+        "samples_per_s": per_s,
+        "tokens_per_s": per_s * tokens if tokens is not None else None,
         "grad_norm": max(r.grad_norm for r in results),
         "microbatch_losses": count,
         "comm_payload": job.run.comm_payload,

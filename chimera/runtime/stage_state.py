@@ -77,6 +77,7 @@ class StageState:
         self.clip = run.clip_grad
         self.optimizer = build_optimizer(self.params, run.optimizer, lr=run.lr, weight_decay=run.weight_decay,
                                          host=self.host is not None)
+        self.lr = 0.0  # the learning rate of the last update
         self.lr_schedule = warmup_decay_schedule(self.optimizer, run.warmup_steps, max(run.steps, run.warmup_steps),
                                                  run.lr_schedule)
 
@@ -104,7 +105,8 @@ class StageState:
             buckets.prepost()
 
     def optimizer_step(self, step: int) -> float:
-        """Sum tied gradients, clip by the global norm, update, advance the LR schedule; return the norm."""
+        """Sum tied gradients, clip by the global norm, update (at the rate kept in ``lr``), advance the LR
+        schedule; return the norm."""
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -123,6 +125,7 @@ class StageState:
                 return self.comm.allreduce(sq.to(self.device), None, f"global gradient norm in step {step}")
 
             norm = clip_grad_norm_global(self.params, self.clip, allreduce, self.norm_params)
+        self.lr = float(self.optimizer.param_groups[0]["lr"])  # the rate of this update (the schedule moves on)
         self.optimizer.step()
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -61,6 +61,7 @@ class StepResult:
     checkpoint_s: float = 0.0  # seconds the step was held by saving a checkpoint (a copy; the write runs behind)
     gc_s: float = 0.0  # seconds of Python garbage collection after the step (--python-gc step), in step_time_s
     group_ops: dict[str, int] = field(default_factory=dict)  # process group -> operations posted on it
+    lr: float = 0.0  # the learning rate of the step's update
 
 
 class PipelineWorker:
@@ -171,7 +172,15 @@ class PipelineWorker:
         held = self.checkpoints.after_step(step) if self.checkpoints else 0.0
         return StepResult(step, self.rank, loss_sum, loss_count, elapsed, grad_norm, events, digests,
                           self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {},
-                          self.stages.host.moved if self.stages.host else 0, held, gc_s, self.comm.group_ops())
+                          self.stages.host.moved if self.stages.host else 0, held, gc_s, self.comm.group_ops(),
+                          self.stages.lr)
+
+    def save(self, step: int) -> str:
+        """Write a checkpoint of the state after ``step`` (the last step run) now, on every rank at once; returns
+        its directory (a launcher stopping a run early: ``chimera train`` on SIGTERM)."""
+        if self.checkpoints is None or self.job.checkpoint.dir is None:
+            raise RuntimeError(f"{self.name}: the job has no checkpoint directory")
+        return self.checkpoints.save_now(step)
 
     def _optimizer_step(self, a: Action, st: StepState) -> None:
         self.batches.wait_sends()
