@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_runtime_parity import BASE, SGD_NORM, assert_parity, assert_same_run
 
 from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
@@ -15,7 +16,6 @@ from chimera.profile.shapes import shapes_profile
 from chimera.runtime import run_local
 from chimera.runtime.launch import WorkerError
 from chimera.schedule import Costs, Kind, build_schedule, simulate, validate
-from test_runtime_parity import BASE, SGD_NORM, assert_parity, assert_same_run
 
 GPT2 = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
             steps=5, optimizer="adamw", corpus="synthetic", partition="uniform", threads=1)

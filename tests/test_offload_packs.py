@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_runtime_parity import assert_same_run
 
 from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
@@ -15,7 +16,6 @@ from chimera.plan.memory import swap_bytes, worker_memory
 from chimera.profile.shapes import shapes_profile
 from chimera.runtime import run_local
 from chimera.schedule import Kind, build_schedule, simulate, validate
-from test_runtime_parity import assert_same_run
 
 # GPT-2-tiny with 8 blocks: a stage is the embedding (or head) and 4 blocks, so packs of one layer hold much less
 GPT2 = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,

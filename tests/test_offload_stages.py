@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from test_runtime_parity import assert_same_run
 
 from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
@@ -12,7 +13,6 @@ from chimera.plan.memory import swap_bytes, worker_memory
 from chimera.profile.shapes import shapes_profile
 from chimera.runtime import run_local
 from chimera.schedule import Kind, build_schedule, validate
-from test_runtime_parity import assert_same_run
 
 GPT2 = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
             steps=2, optimizer="adamw", corpus="synthetic", partition="uniform", threads=1)
