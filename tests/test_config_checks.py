@@ -19,6 +19,9 @@ from chimera.optim import build_optimizer, warmup_decay_schedule
 from ray_launch.command import add_train_args
 from ray_launch.config import LaunchConfig
 
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(300)
+
 TINY = dict(model="bert-tiny", corpus="synthetic", seq_len=16, partition="uniform", stages=2, micro_batches=2)
 
 

@@ -17,6 +17,9 @@ from chimera.runtime import run_local
 from chimera.runtime.launch import WorkerError
 from chimera.schedule import Costs, Kind, build_schedule, simulate, validate
 
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(240)
+
 GPT2 = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
             steps=5, optimizer="adamw", corpus="synthetic", partition="uniform", threads=1)
 BUDGET = "14.5MiB"

@@ -17,6 +17,9 @@ from chimera.profile.shapes import shapes_profile
 from chimera.runtime import run_local
 from chimera.schedule import Kind, build_schedule, simulate, validate
 
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(240)
+
 # GPT-2-tiny with 8 blocks: a stage is the embedding (or head) and 4 blocks, so packs of one layer hold much less
 GPT2 = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
             steps=2, optimizer="adamw", corpus="synthetic", partition="uniform", threads=1,

@@ -10,6 +10,9 @@ from chimera.config import TrainConfig
 from chimera.schedule.registry import candidates
 from chimera.schedule.registry import get as schedule_spec
 
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(180)
+
 CASES = {
     "zb-h1-D2N2-W2": dict(schedule="zb-h1", stages=2, micro_batches=2, data_parallel=2, **SGD),
     "zb-h1-D4N8-gpt2": dict(schedule="zb-h1", stages=4, micro_batches=8, model="gpt2-tiny"),

@@ -15,6 +15,9 @@ from chimera.profile.synthetic import bert48_paper_like, layer, profile
 from chimera.schedule import build_schedule, lower, simulate
 from chimera.util.units import parse_bytes
 
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(240)
+
 SIZES = (1, 2, 4)
 
 

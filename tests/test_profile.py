@@ -18,6 +18,9 @@ from chimera.profile.layers import current_versions, profile_chain
 from chimera.profile.memory import largest_fitting, probe_max_micro_batch_size
 from tests.conftest import alive_actors
 
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(240)
+
 TIMINGS = ("forward", "backward_input", "backward_weight", "backward", "recompute")
 SMALL = (1024, 65536, 1 << 20)  # message sizes of the fast communication probes
 

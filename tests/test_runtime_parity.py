@@ -11,6 +11,9 @@ from chimera.config import ConfigError, TrainConfig
 from chimera.models import SequentialModel
 from chimera.runtime import WorkerError, run_local, stage_params_by_layer, train_sequential
 
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(180)
+
 BASE = TrainConfig.from_flags(model="bert-tiny", micro_batch_size=2, seq_len=16, steps=5, optimizer="adamw", lr=1e-3,
                               timeout_s=60, check_replicas=True, corpus="synthetic", partition="uniform")
 

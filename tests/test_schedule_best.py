@@ -13,6 +13,9 @@ from chimera.models import build_model
 from chimera.schedule import Costs, ScheduleConfigError, build_schedule, simulate, to_csv, to_json
 from chimera.schedule.best import best, per_stage, rank
 
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(120)
+
 EQUAL = Costs(fwd=1, bwd=1, wgrad=1)
 
 

@@ -18,6 +18,9 @@ from chimera.timeline.analysis import step_stats
 from chimera.timeline.nsight import events_from_nsys_sqlite
 from chimera.timeline.report import load_events, render, timeline_figure, write_profile
 
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(240)
+
 ROOT = Path(__file__).resolve().parents[1]
 CFG = TrainConfig.from_flags(model="bert-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
                   steps=3, optimizer="adamw", timeout_s=60, profile=True, profile_steps=(1, 2), corpus="synthetic", partition="uniform")
