@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_runtime_parity import BASE, SGD_NORM, assert_parity, assert_same_run
 
 from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
@@ -16,13 +17,12 @@ from chimera.runtime import run_local
 from chimera.runtime.launch import WorkerError
 from chimera.schedule import Costs, Kind, build_schedule, simulate, validate
 
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(240)
+
 GPT2 = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
             steps=5, optimizer="adamw", corpus="synthetic", partition="uniform", threads=1)
 BUDGET = "14.5MiB"
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    return max((a[r][k][n] - b[r][k][n]).abs().max().item() for r in a for k in a[r] for n in a[r][k])
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "chimera"])
@@ -91,10 +91,10 @@ def test_gpt2_three_times_the_budget_trains_with_chimera_on_cpu():
     for m in got.metrics:
         assert all(0 < w["total"] <= budget for w in m["memory_peak_bytes"]), m["memory_peak_bytes"]
         assert m["swap_bytes"] == predicted
-        # the model that refuses configurations bounds what the runtime holds, closely
-        assert all(1 <= mm.total / w["total"] <= 1.2 for mm, w in zip(modelled, m["memory_peak_bytes"]))
-    assert _max_diff(ref.states, got.states) <= 1e-5
-    assert [m["loss"] for m in got.metrics] == pytest.approx([m["loss"] for m in ref.metrics], abs=1e-5)
+        # the model that refuses configurations bounds what the runtime holds: measured 15.6 % above it (the
+        # model's stash at the peak; docs/ARCHITECTURE.md), deterministic byte counts
+        assert all(1 <= mm.total / w["total"] <= 1.16 for mm, w in zip(modelled, m["memory_peak_bytes"]))
+    assert_same_run(ref, got)
 
     with pytest.raises(ConfigError, match=r"budget of 15204352 bytes .* --offload none: 53381120 bytes"):
         compile_job(base.with_flags(memory_per_worker=BUDGET))
@@ -109,14 +109,27 @@ def test_gpt2_three_times_the_budget_trains_with_chimera_on_cpu():
     dict(schedule="chimera", stages=2, micro_batches=4, data_parallel=2, offload="everything", prefetch=2),
     dict(schedule="interleaved", stages=2, micro_batches=4, offload="everything", optimizer="lamb"),
     dict(schedule="chimera", stages=2, micro_batches=4, mode="doubling", recompute=True, offload="optimizer+gradients"),
-    dict(schedule="gpipe", stages=2, micro_batches=2, offload="optimizer", optimizer="sgd"),
+    dict(schedule="gpipe", stages=2, micro_batches=2, offload="optimizer", **SGD_NORM),
 ])
 def test_offload_trains_like_no_offload(flags):
+    """Losses, gradient norms and parameters as without offload."""
     base = TrainConfig.from_flags(**{**GPT2, "steps": 2, **{k: v for k, v in flags.items() if k not in
                                                              ("offload", "prefetch")}})
     ref = run_local(compile_job(base), return_state=True)
     got = run_local(compile_job(base.with_flags(offload=flags["offload"], prefetch=flags.get("prefetch", 1))), return_state=True)
-    assert _max_diff(ref.states, got.states) <= 1e-5
+    assert_same_run(ref, got)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags", [
+    dict(schedule="chimera", stages=2, micro_batches=4, offload="optimizer+gradients"),
+    dict(schedule="1f1b", stages=2, micro_batches=2, model="gpt2-tiny", offload="everything", prefetch=1),
+], ids=["chimera-bert-optimizer+gradients", "1f1b-gpt2-everything"])
+def test_gradient_offload_with_sgd_and_two_replicas_trains_like_sequential(flags):
+    """SGD without clipping (a threshold no norm reaches), W = 2, gradients summed on the host: every step's loss and
+    global gradient norm and every parameter as sequential training; a wrong scale of the host sums (or of their
+    sum over the two replicas) changes the norm at once and every parameter by lr x the error."""
+    assert_parity(BASE.with_flags(data_parallel=2, steps=3, **SGD_NORM, **flags))
 
 
 def test_offload_flags_are_checked():

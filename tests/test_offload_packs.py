@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_runtime_parity import assert_same_run
 
 from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
@@ -16,15 +17,14 @@ from chimera.profile.shapes import shapes_profile
 from chimera.runtime import run_local
 from chimera.schedule import Kind, build_schedule, simulate, validate
 
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(240)
+
 # GPT-2-tiny with 8 blocks: a stage is the embedding (or head) and 4 blocks, so packs of one layer hold much less
 GPT2 = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
             steps=2, optimizer="adamw", corpus="synthetic", partition="uniform", threads=1,
             model_overrides={"n_layer": 8}, offload="everything", prefetch=0)
 BUDGET = "17MiB"  # the model: 18.7 MiB per worker with whole stages swapped, 16.4 MiB with packs of one layer
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    return max((a[r][k][n] - b[r][k][n]).abs().max().item() for r in a for k in a[r] for n in a[r][k])
 
 
 def test_packed_stages_swap_inside_their_compute_and_cost_it():
@@ -66,7 +66,7 @@ def test_a_budget_that_fits_only_with_packs():
     job = compile_job(base.with_flags(memory_per_worker=BUDGET, offload_pack=1))
     got = run_local(job, return_state=True)
     ref = run_local(compile_job(base.with_flags(offload="none")), return_state=True)
-    assert _max_diff(ref.states, got.states) <= 1e-5
+    assert_same_run(ref, got)
     prof = shapes_profile(job.chain, job.unit_size)
     off = Offload.parse("everything", 0, pack=1)
     predicted = swap_bytes(prof, job.schedule, job.stage_layers, off)
@@ -77,7 +77,7 @@ def test_a_budget_that_fits_only_with_packs():
         for mm, w in zip(modelled, m["memory_peak_bytes"]):
             assert 0 < w["total"] <= 17 * 2**20
             assert w["params"] == mm.params < biggest_stage  # two packs of weights, as the model says
-            assert 1 <= mm.total / w["total"] <= 1.25  # the model's activations are an upper bound
+            assert 1 <= mm.total / w["total"] <= 1.21  # the model's stash is an upper bound: measured +20.3 %
 
 
 def test_pack_flag_is_checked():
@@ -94,7 +94,7 @@ def test_packs_with_recompute_and_per_stage_policies():
                                      "model_overrides": {}})
     job = compile_job(base.with_flags(offload="everything,optimizer+gradients", offload_pack=2, prefetch=1))
     got = run_local(job, return_state=True)
-    assert _max_diff(run_local(compile_job(base), return_state=True).states, got.states) <= 1e-5
+    assert_same_run(run_local(compile_job(base), return_state=True), got)
     prof = shapes_profile(job.chain, job.unit_size)
     predicted = swap_bytes(prof, job.schedule, job.stage_layers, Offload.parse("everything,optimizer+gradients", 1, 2),
                            recompute=True)

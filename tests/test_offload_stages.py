@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from test_runtime_parity import assert_same_run
 
 from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
@@ -13,12 +14,11 @@ from chimera.profile.shapes import shapes_profile
 from chimera.runtime import run_local
 from chimera.schedule import Kind, build_schedule, validate
 
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(240)
+
 GPT2 = dict(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=16,
             steps=2, optimizer="adamw", corpus="synthetic", partition="uniform", threads=1)
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    return max((a[r][k][n] - b[r][k][n]).abs().max().item() for r in a for k in a[r] for n in a[r][k])
 
 
 def test_each_stage_replica_swaps_by_its_stages_policy():
@@ -45,7 +45,7 @@ def ref_1f1b():
 
 def _parity(base: TrainConfig, ref, job):  # noqa: ANN202
     got = run_local(job, return_state=True)
-    assert _max_diff(ref.states, got.states) <= 1e-5
+    assert_same_run(ref, got)
     predicted = swap_bytes(shapes_profile(job.chain, job.unit_size), job.schedule, job.stage_layers)
     assert all(m["swap_bytes"] == predicted for m in got.metrics)
     return got
@@ -79,9 +79,9 @@ def test_auto_offloads_only_the_stages_that_need_it(ref_1f1b):
     assert all(0 < w["total"] <= 12 * 2**20 for m in got.metrics for w in m["memory_peak_bytes"])
     assert [w["optimizer"] > 0 for w in last] == [False, True, True, False]  # on the device where kept there
     # on 1F1B the model counts up to ~1.5% fewer message bytes than the runtime holds (sends kept until they
-    # complete), with or without offload; otherwise it bounds the runtime closely
-    assert all(0.98 <= mm.total / w["total"] <= 1.2 for mm, w in zip(modelled, last))
-    assert _max_diff(ref.states, got.states) <= 1e-5
+    # complete), with or without offload; otherwise it bounds the runtime closely (measured: -1.6 % to +3.3 %)
+    assert all(0.98 <= mm.total / w["total"] <= 1.04 for mm, w in zip(modelled, last))
+    assert_same_run(ref, got)
 
 
 def test_per_stage_offload_is_checked():

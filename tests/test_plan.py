@@ -1,9 +1,10 @@
 """The planner: memory model, planned partition, candidate search and plan files, on profiles made of numbers."""
 
+import itertools
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from chimera.compile import compile_job
@@ -13,6 +14,9 @@ from chimera.plan.partition import layers_of, min_max_split
 from chimera.profile.synthetic import bert48_paper_like, layer, profile
 from chimera.schedule import build_schedule, lower, simulate
 from chimera.util.units import parse_bytes
+
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(240)
 
 SIZES = (1, 2, 4)
 
@@ -25,25 +29,62 @@ def random_profiles(draw):
     return profile(layers, SIZES, with_comm=draw(st.booleans()))
 
 
+def _every_split(layers: int, stages: int) -> list[list[int]]:
+    """Every split of ``layers`` consecutive layers into ``stages`` non-empty stages (brute force, for checking)."""
+    out = []
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        bounds = [0, *cuts, layers]
+        out.append([b - a for a, b in zip(bounds, bounds[1:])])
+    return out
+
+
+def _peak(prof, sched, sizes, unit, recompute) -> int:  # noqa: ANN001
+    return max(m.total for m in worker_memory(prof, lower(sched), layers_of(sizes), unit, "adamw", recompute))
+
+
+@pytest.mark.timeout(120)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prof=random_profiles(), name=st.sampled_from(["gpipe", "1f1b", "chimera"]), d=st.sampled_from([2, 4]),
-       k=st.integers(1, 3), unit=st.sampled_from(SIZES), recompute=st.booleans(), frac=st.floats(0.3, 1.5))
+       k=st.integers(1, 3), unit=st.sampled_from(SIZES), recompute=st.booleans(),
+       frac=st.floats(0.0, 1.0, exclude_max=True))
 def test_a_planned_partition_never_exceeds_the_memory_limit(prof, name, d, k, unit, recompute, frac):
+    """A limit below the unconstrained optimum's peak: when some partition fits it (every one priced here), the
+    planned one fits and so differs from the unconstrained one; when none fits, the planned one needs least."""
     sched = build_schedule(name, d, d * k)
     free = plan_partition(prof, sched, unit, recompute, "adamw")
-    limit = int(free.peak_memory * frac)
+    least = min(_peak(prof, sched, s, unit, recompute) for s in _every_split(len(prof.layers), d))
+    fits = least < free.peak_memory
+    limit = least + int((free.peak_memory - 1 - least) * frac) if fits else free.peak_memory - 1
+    event("some partition fits" if fits else "none fits: least memory")
     part = plan_partition(prof, sched, unit, recompute, "adamw", memory_limit=limit)
     assert len(part.sizes) == d and sum(part.sizes) == len(prof.layers) and min(part.sizes) >= 1
-    # the reported peak is the memory model's for that partition
-    mem = worker_memory(prof, lower(sched), layers_of(part.sizes), unit, "adamw", recompute)
-    assert max(m.total for m in mem) == part.peak_memory
-    if frac >= 1.0:
-        assert part.peak_memory <= limit  # the unconstrained optimum fits, so the search must stay within
+    assert _peak(prof, sched, part.sizes, unit, recompute) == part.peak_memory  # the memory model's for it
+    if fits:
+        assert part.peak_memory <= limit < free.peak_memory and part.sizes != free.sizes
+    else:
+        assert part.peak_memory == least
+
+
+def test_a_limit_below_the_free_optimum_moves_the_boundary():
+    """Eight layers of equal compute, the first four with 100x the weights (1F1B, D = 2). The balanced split
+    [4, 4] puts all four heavy layers on worker 0; a limit below its peak that [3, 5] meets
+    gives [3, 5]: the fastest split that fits (slower than [4, 4], faster than [2, 6])."""
+    prof = profile([layer(i, 0.01, 4_000_000 if i < 4 else 40_000, 1000, 100, SIZES) for i in range(8)], SIZES,
+                   with_comm=False)
+    sched = build_schedule("1f1b", 2, 4)
+    free = plan_partition(prof, sched, 1, False, "adamw")
+    assert free.sizes == [4, 4]
+    three = _peak(prof, sched, [3, 5], 1, False)
+    assert three < free.peak_memory
+    part = plan_partition(prof, sched, 1, False, "adamw", memory_limit=three)
+    assert part.sizes == [3, 5] and part.peak_memory == three and part.step_s > free.step_s
+    assert plan_partition(prof, sched, 1, False, "adamw", memory_limit=three - 1).sizes == [2, 6]
 
 
 def test_a_limit_the_free_optimum_meets_is_met():
     """Found by the property above: seven near-equal layers on Chimera D = 2. The search scored (bytes over the
-    limit, step) got stuck one byte over; the step-only climb crosses partitions over the limit to one under."""
+    limit, step) got stuck one byte over; the step-only climb crosses partitions over the limit to one under.
+    No split needs less than this free optimum: one byte below it, none fits and the least memory is kept."""
     stash = {1: 1002, 3: 1000}
     prof = profile([layer(i, 0.03125, 1001 if i == 3 else 1000, stash.get(i, 1000), 100, SIZES) for i in range(7)],
                    SIZES, with_comm=False)
@@ -51,14 +92,23 @@ def test_a_limit_the_free_optimum_meets_is_met():
     free = plan_partition(prof, sched, 1, True, "adamw")
     part = plan_partition(prof, sched, 1, True, "adamw", memory_limit=free.peak_memory)
     assert part.peak_memory <= free.peak_memory and part.step_s <= free.step_s
+    least = min(_peak(prof, sched, s, 1, True) for s in _every_split(7, 2))
+    assert least == free.peak_memory
+    assert plan_partition(prof, sched, 1, True, "adamw", memory_limit=least - 1).peak_memory == least
 
 
+@pytest.mark.timeout(120)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(prof=random_profiles(), workers=st.sampled_from([2, 4]), frac=st.floats(0.2, 1.2))
+@given(prof=random_profiles(), workers=st.sampled_from([2, 4]), frac=st.floats(0.0, 1.0, exclude_max=True))
 def test_the_planner_ranks_only_what_fits(prof, workers, frac):
+    """A limit between the least and the most memory the unconstrained ranking needs: something fits (the ranking
+    is never empty) and something does not (the limit binds); every ranked configuration fits."""
     everything = plan(prof, workers, global_batch=8 * workers)
-    limit = int(min(e.peak_memory for e in everything.ranked) / frac)
+    peaks = sorted(e.peak_memory for e in everything.ranked)
+    assume(peaks[0] < peaks[-1])
+    limit = peaks[0] + int((peaks[-1] - peaks[0]) * frac)
     result = plan(prof, workers, global_batch=8 * workers, memory_limit=limit)
+    assert result.ranked, f"nothing ranked under {limit} bytes, though a configuration needing {peaks[0]} exists"
     assert all(e.peak_memory <= limit for e in result.ranked)
     assert all(e.reason for e in result.infeasible)
     steps = [e.step_s for e in result.ranked]
@@ -191,4 +241,4 @@ def test_memory_model_matches_what_the_runtime_holds(model):
         measured = run_local(job).metrics[-1]["memory_peak_bytes"]
         modelled = worker_memory(prof, job.schedule, job.stage_layers, job.unit_size, "adamw", recompute)
         for w, (m, mm) in enumerate(zip(measured, modelled)):
-            assert abs(mm.total / m["total"] - 1) <= 0.15, (sched, d, mode, w, m, mm)
+            assert abs(mm.total / m["total"] - 1) <= 0.08, (sched, d, mode, w, m, mm)  # measured: up to 7.8 %

@@ -83,7 +83,7 @@ def compile_job(cfg: TrainConfig, chain: LayerChain | None = None, data: Any = N
         part = PartitionDecision(layers_of(decision.planned), decision.prediction)
     else:
         if s.partition == "planned":  # screened on the uniform split first: no profile for what cannot fit
-            memory_verdict(cfg, model.chain, sched, fixed_split(model.chain, sched.stages, "uniform"), unit, budget,
+            memory_verdict(cfg, model.chain, sched, fixed_split(model.chain, sched, "uniform"), unit, budget,
                            shapes)
         part = partition_pass(cfg, model.chain, sched, unit, threads, budget.bytes if budget.enforced else None,
                               None if cfg.memory.offload == "auto" else _planning_offload(cfg, sched.stages), log)

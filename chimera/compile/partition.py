@@ -29,10 +29,16 @@ class PartitionDecision:
     prediction: Prediction | None = None
 
 
-def fixed_split(chain: Any, stages: int, method: str) -> list[list[int]]:
-    """A fixed method's split (``planned`` is not one); ConfigError naming ``--partition``."""
+def fixed_split(chain: Any, schedule: Schedule, method: str) -> list[list[int]]:
+    """A fixed method's split of ``chain`` into ``schedule``'s stages (``planned`` is not a fixed method);
+    ConfigError naming ``--partition``, and ``--schedule`` where it cuts the model into more stages than workers."""
+    parts, workers = schedule.stages, schedule.workers
+    if parts > chain.num_layers and parts != workers:
+        raise ConfigError(f"--partition {method}: --schedule {schedule.name} with --stages {workers} cuts the model "
+                          f"into {parts} stages, more than the {chain.num_layers} layers of {chain.name}; use fewer "
+                          "--stages (or --chunks where the schedule takes it), another --schedule or a deeper model")
     try:
-        return partition(chain, stages, method)
+        return partition(chain, parts, method)
     except ValueError as e:
         raise ConfigError(f"--partition {method}: {e}") from None
 
@@ -43,10 +49,10 @@ def partition_pass(cfg: TrainConfig, chain: Any, schedule: Schedule, unit: int, 
     ``offload``: the policy it is priced with (None: ``--offload auto``, decided on the split afterwards)."""
     method = cfg.schedule.partition
     if method != "planned":
-        return PartitionDecision(fixed_split(chain, schedule.stages, method))
+        return PartitionDecision(fixed_split(chain, schedule, method))
     t = cfg.training
     world = schedule.workers * schedule.data_parallel
-    fixed_split(chain, schedule.stages, "uniform")  # D within the model's layers: a clear error before profiling
+    fixed_split(chain, schedule, "uniform")  # D within the model's layers: a clear error before profiling
     try:
         prof = cached_profile(chain, [unit], t.device, threads, sharing(world, t.device),
                               comm=local_comm(world, t.device), progress=log)

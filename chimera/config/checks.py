@@ -66,7 +66,9 @@ def writable_path(path: str, flag: str, directory: bool) -> None:
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     probe = p if directory and os.path.isdir(p) else parent
-    if not os.path.isdir(probe) or not _can_write(probe):
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{flag} {path}: {probe} is a file, so nothing can be made under it; choose another path")
+    if not _can_write(probe):
         raise ConfigError(f"{flag} {path}: cannot write under {probe} (permission denied); choose a writable path")
 
 

@@ -5,7 +5,7 @@ from typing import Any
 
 from chimera.models.chain import ChainError, LayerChain, TensorSpec, layer_seed
 from chimera.models.presets import PRESETS, build_model
-from chimera.models.stage import SequentialModel, StageModule, build_stage
+from chimera.models.stage import SequentialModel, StageModule, build_stage, unit_seed
 
 __all__ = [
     "PRESETS",
@@ -19,6 +19,7 @@ __all__ = [
     "build_model",
     "build_stage",
     "layer_seed",
+    "unit_seed",
 ]
 
 

@@ -20,7 +20,10 @@ partition balances the pair, not the stage. The search:
 
 1. the contiguous split minimising the largest stage's compute (dynamic programming over the layers);
 2. hill climbing on the largest *worker* load (a boundary moves by one layer while that lowers it);
-3. hill climbing on the simulated step time, refusing moves that break the memory limit.
+3. hill climbing on the simulated step time, refusing moves that break the memory limit;
+4. still over the limit (a local search can miss a fitting partition far from the balanced one): every partition
+   priced by the memory model alone where there are at most ``ENUMERATED`` of them (the most compute-balanced that
+   fits starts a last climb of step 3; none fits: the one needing least memory), else a descent on memory.
 
     partition(chain, 4, "uniform")                       # [[0, 1], [2], [3], [4, 5]]
     sizes, pred = plan_partition(profile, schedule, unit=4, recompute=False, optimizer="adamw")
@@ -28,7 +31,9 @@ partition balances the pair, not the stage. The search:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,6 +180,17 @@ def _neighbours(sizes: list[int]) -> list[list[int]]:
     return out
 
 
+#: step 4 prices every partition by memory where there are at most this many (C(L - 1, D - 1) of L layers)
+ENUMERATED = 4096
+
+
+def _all_sizes(layers: int, stages: int) -> Iterator[list[int]]:
+    """Every split of ``layers`` consecutive layers into ``stages`` non-empty stages (stage sizes)."""
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        bounds = [0, *cuts, layers]
+        yield [b - a for a, b in zip(bounds, bounds[1:])]
+
+
 def _climb(sizes: list[int], score: Callable[[list[int]], tuple[float, ...]], limit: int) -> list[int]:
     """Steepest descent on ``score`` over one-layer moves, at most ``limit`` rounds."""
     current = score(sizes)
@@ -186,11 +202,24 @@ def _climb(sizes: list[int], score: Callable[[list[int]], tuple[float, ...]], li
     return sizes
 
 
+def _least_over(sizes: list[int], peak: Callable[[list[int]], int], load: Callable[[list[int]], tuple[float, ...]],
+                limit: int) -> list[int]:
+    """Step 4 (module docstring): the most balanced (``load``) partition whose ``peak`` fits ``limit``, else the one
+    of least peak; exact up to ``ENUMERATED`` partitions, beyond that a descent on memory from ``sizes``."""
+    n, d = sum(sizes), len(sizes)
+    if math.comb(n - 1, d - 1) > ENUMERATED:
+        return _climb(sizes, lambda s: (peak(s), *load(s)), limit=n * d)
+    priced = [(peak(s), s) for s in _all_sizes(n, d)]
+    fits = [s for p, s in priced if p <= limit]
+    return min(fits, key=load) if fits else min(priced)[1]
+
+
 def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: bool, optimizer: str,
                    memory_limit: int | None = None, exchange: bool = True, rounds: int = 8,
                    simulated_up_to: int = 16, exact: bool = True, offload: Offload | None = None) -> PartitionResult:
     """The partition of ``profile``'s layers into ``schedule.stages`` stages with the least simulated step time
-    whose every worker fits ``memory_limit`` bytes (when no partition fits, the one that needs least memory).
+    whose every worker fits ``memory_limit`` bytes (when no partition fits, the one that needs least memory; both
+    exact up to ``ENUMERATED`` partitions with ``rounds`` > 0, beyond that a local search's best).
 
     Step 3 (``rounds`` of moves scored by simulation) runs up to ``simulated_up_to`` stages; deeper pipelines
     keep the load-balanced partition, whose step the simulator then predicts once. ``exact``: simulate the
@@ -235,4 +264,10 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
         start, sizes = sizes, _climb(sizes, simulated, limit=rounds)
         if simulated(sizes)[0] > 0:  # stuck over the limit: the fastest path may pass partitions over it to one under
             sizes = min(sizes, _climb(start, lambda s: simulated(s)[1:], limit=rounds), key=simulated)
+        if rounds > 0 and memory_limit is not None and simulated(sizes)[0] > 0:  # step 4
+            def peak(s: list[int]) -> int:  # the memory model alone, no simulation
+                return max(m.total for m in worker_memory(profile, timed, layers_of(s), unit, optimizer, recompute,
+                                                          exchange, walk, offload))
+
+            sizes = _climb(_least_over(sizes, peak, load, memory_limit), simulated, limit=rounds)
     return cache[tuple(sizes)] if tuple(sizes) in cache else evaluate(sizes)

@@ -5,7 +5,9 @@ An F action over ``count`` micro-batches (Chimera's forward doubling, or a whole
 halving) receives them as one message, runs the stage on each micro-batch in turn, stashes each for its own
 backward and sends the outputs on as one message. Running the micro-batches one by one keeps every sample's
 arithmetic exactly that of sequential training, whatever the schedule. With ``recompute`` the forward keeps only
-its inputs and RNG state, and the backward runs the forward again under that state before differentiating.
+its inputs, and the backward runs the forward again before differentiating. Every forward seeds its layers' random
+draws (dropout) from the unit (``chimera.models.stage.unit_seed``: seed, step, micro-batch, data-parallel rank), so
+recomputation draws the forward's masks again and sequential training draws the same.
 
 A split backward runs torch.distributed.pipelining's two halves: I differentiates with respect to the stage's
 inputs only (autograd keeps the graph from where the weights' gradients branch off, and the gradients that reached
@@ -25,7 +27,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from chimera.data import Units
 from chimera.job import Job
 from chimera.microbatch import cat, map_tensors, split
-from chimera.models import StageModule, TensorSpec
+from chimera.models import StageModule, TensorSpec, unit_seed
 from chimera.offload.store import HostStore
 from chimera.runtime.step_state import Kept, Slot, Stashed, StepState
 from chimera.schedule import Action
@@ -66,15 +68,15 @@ class StageCompute:
         for x, mb in zip(xs, a.microbatches):
             data = self._data(a.pipe, mb, st.step) if (mod.is_first or mod.is_last) else None
             inputs, labels = data if data is not None else (None, None)
+            rng = unit_seed(self.job.run.seed, st.step, self.schedule.global_microbatch(a.pipe, mb), self.dp_rank)
             if self.recompute and not mod.is_last:
-                rng = _rng_state(self.device)
                 with torch.no_grad(), self.autocast:
-                    out = mod(x, inputs=inputs, labels=labels)
+                    out = mod(x, inputs=inputs, labels=labels, rng=rng)
                 st.stash[Slot(a.pipe, a.stage, mb)] = Stashed(x, None, data, rng)
             else:
                 saved: list[torch.Tensor] = []
                 with self.autocast, _saving(saved if self.keep_saved else None, self.store):
-                    out = mod(x, inputs=inputs, labels=labels)
+                    out = mod(x, inputs=inputs, labels=labels, rng=rng)
                 st.stash[Slot(a.pipe, a.stage, mb)] = Stashed(x, out, data, saved=saved)
             if mod.is_last:
                 st.loss_sum += out.detach().to(torch.float64)
@@ -169,12 +171,10 @@ class StageCompute:
         return split(got, a.count) if a.count > 1 else [got]
 
     def _recompute(self, mod: StageModule, saved: Stashed) -> Any:
-        """The forward again, with grad, under the RNG state it first ran under."""
+        """The forward again, with grad, under the unit's seed it first ran under (the same dropout masks)."""
         inputs, labels = saved.data if saved.data is not None else (None, None)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            _set_rng_state(saved.rng, self.device)
-            with self.autocast, _saving(None, self.store):
-                return mod(saved.inputs or None, inputs=inputs, labels=labels)
+        with self.autocast, _saving(None, self.store):
+            return mod(saved.inputs or None, inputs=inputs, labels=labels, rng=saved.rng)
 
     def _hand_over(self, msg: Msg, tensors: tuple[torch.Tensor, ...], pipe: str, to_stage: int, st: StepState
                    ) -> None:
@@ -205,12 +205,3 @@ def _fill(grads: tuple[torch.Tensor, ...], specs: Sequence[TensorSpec]) -> list[
     it = iter(grads)
     return [next(it) if s.requires_grad else None for s in specs]
 
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)

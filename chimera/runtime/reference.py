@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from chimera.job import Job
-from chimera.models import SequentialModel
+from chimera.models import SequentialModel, unit_seed
 from chimera.optim import build_optimizer, clip_grad_norm_global, warmup_decay_schedule
 
 
@@ -46,7 +46,7 @@ def train_sequential(job: Job, then: tuple[int, Job] | None = None) -> Reference
         for g in range(width):
             for i in range(units):
                 inputs, labels = data.get(step, i, g)
-                loss = model(inputs, labels)
+                loss = model(inputs, labels, rng=unit_seed(t.seed, step, i, g))  # the runtime's dropout masks
                 (loss * scale).backward()
                 total += float(loss.detach())
         losses.append(total / (units * width))

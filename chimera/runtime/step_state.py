@@ -36,15 +36,15 @@ class Stashed:
 
     ``inputs``: the stage's input tensors (leaves whose ``.grad`` becomes the gradient to send; empty on the first
     stage); ``output``: the forward's output with its autograd graph, or None when the backward recomputes it;
-    ``data``: the micro-batch's (inputs, labels) on the first and last stage; ``rng``: the RNG state the forward
-    ran under (recomputation replays it, so dropout draws the same masks); ``saved``: the tensors autograd saved
+    ``data``: the micro-batch's (inputs, labels) on the first and last stage; ``rng``: the unit's seed the forward
+    ran under (recomputation runs under it again, so dropout draws the same masks); ``saved``: the tensors autograd saved
     for the backward (collected only when memory is accounted).
     """
 
     inputs: tuple[torch.Tensor, ...]
     output: Any
     data: tuple[Any, Any] | None
-    rng: Any = None
+    rng: int | None = None
     saved: list[torch.Tensor] = field(default_factory=list)
 
     def tensors(self) -> list[torch.Tensor]:
