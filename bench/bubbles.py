@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 
 from bench.predict import delay_costs  # noqa: E402
-from chimera.compile import compile_job
+from chimera.compile import compile_job  # noqa: E402
 from chimera.config import TrainConfig  # noqa: E402
 from chimera.schedule import Costs, simulate  # noqa: E402
-from chimera.schedule.generators import SPLIT_ONLY  # noqa: E402
+from chimera.schedule.registry import get as schedule_spec  # noqa: E402
 from chimera.timeline.analysis import step_stats  # noqa: E402
 from ray_launch.driver import RayJob  # noqa: E402
 
@@ -52,7 +52,7 @@ HALF_STAGES = ("bitpipe",)  # 2D stages of half a block's sleep each
 
 def measure(schedule: str, d: int, n: int, mode: str, tf: float, steps: int) -> dict[str, float]:
     recompute = mode == "doubling"
-    split = mode == "split" or schedule in SPLIT_ONLY
+    split = mode == "split" or schedule_spec(schedule).split_only
     parts = 2 * d if schedule in HALF_STAGES else d
     tf = tf * d / parts
     cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": parts, "fwd_s": tf}, schedule=schedule,

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from chimera.models import LayerChain, build_model
-from chimera.plan.partition import partition
+from chimera.plan.partition import partition, plan_partition
+from chimera.plan.profiles import cached_profile
+from chimera.schedule import build_schedule
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,6 @@ class Workload:
         both systems and every schedule of a stage count run the same balanced split."""
         if self.split == "uniform":
             return self
-        from chimera.plan.auto import cached_profile
-
-        from chimera.plan.partition import plan_partition
-        from chimera.schedule import build_schedule
-
         model = self.build(self.stages)
         prof = cached_profile(model, [self.micro_batch_size], "cpu", 1, self.stages)
         planned = tuple((k, tuple(plan_partition(prof, build_schedule("1f1b", k, self.micro_batches),

@@ -3,6 +3,7 @@
 No timing assertions: the figures depend on the machine.
 """
 
+import importlib
 import json
 import subprocess
 import sys
@@ -70,3 +71,10 @@ def test_planned_split_is_the_same_on_both_systems():
     job = compile_job(chimera_config(w, "1f1b", 2))
     assert job.stage_layers == w.layers(model, 2)
     assert WORKLOADS["bert-d2-n4"].layers(model, 2) == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("script", sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__"))
+def test_every_bench_script_imports(script):
+    """Every bench script and helper imports against today's package (their imports are at module level, so a
+    renamed module or name fails here rather than twenty minutes into a benchmark)."""
+    importlib.import_module(f"bench.{script}")
