@@ -48,7 +48,7 @@ def build_job(chain: LayerChain | None = None, data: Any = None, *, config: Trai
     """The compiled job that trains ``chain`` on ``data`` (or the preset ``model=``), exactly as ``chimera train``
     builds it from the same fields. Raises :class:`ConfigError` before anything starts."""
     if chain is not None:
-        for name in ("model", "micro_batch_size", "corpus", "seq_len", "model_overrides", "chain"):
+        for name in ("model", "micro_batch_size", "corpus", "seq_len", "model_overrides", "chain", "vocab_shards"):
             if name in fields:
                 raise ConfigError(f"{name}= is not an option with a chain: the chain and its data define it")
     return compile_job(request(config, **fields), chain, data)

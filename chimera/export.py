@@ -12,6 +12,7 @@ every layer the model's name of each of its tensors), which the checkpoint's man
 only the checkpoint (``chain=`` gives the record, and the modules, of a chain trained before it was recorded).
 Tied parameters (one tensor on two stages) must agree in the checkpoint and are written as transformers expects
 (``save_pretrained`` writes a tied weight once; the torch ``state_dict`` lists it under each of its names).
+A matrix split by vocabulary (``decompose(..., vocab_shards=K)``) is joined from its row ranges.
 The command line ``chimera export CHECKPOINT --hf DIR | --torch FILE`` is :func:`export`.
 """
 
@@ -94,25 +95,41 @@ def _source(path: Path, manifest: dict[str, Any], chain: Any) -> dict[str, Any]:
 
 
 def original_state(state: dict[str, torch.Tensor], source: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The checkpoint's parameters (``layer{i}.{name}``) under the model's names, aliases of tied tensors included.
+    """The checkpoint's parameters (``layer{i}.{name}``) under the model's names, aliases of tied tensors included;
+    tensors that hold rows of one of the model's (the record's ``slices``: a matrix split by vocabulary) joined.
 
-    Raises :class:`ExportError` when a parameter has no original name or two ends of a tied tensor differ."""
+    Raises :class:`ExportError` when a parameter has no original name, two ends of a tied tensor differ, or the
+    rows of a split matrix do not join into one."""
     out: dict[str, torch.Tensor] = {}
-    origin: dict[str, str] = {}
+    seen: dict[str, tuple[str, torch.Tensor]] = {}  # the model's name (with rows, for a split one) -> (key, tensor)
+    pieces: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
     for key, tensor in sorted(state.items()):
         if not key.startswith("layer"):
             continue  # optimizer state and RNG
         head, _, local = key.partition(".")
-        names = source["names"][int(head.removeprefix("layer"))]
+        index = int(head.removeprefix("layer"))
+        names = source["names"][index]
         if local not in names:
             raise ExportError(f"{key} of the checkpoint has no name in the source model (a checkpoint of another "
                               "model?)")
         name = names[local]
-        if name in out and not torch.equal(out[name], tensor):
-            diff = (out[name].float() - tensor.float()).abs().max().item()
-            raise ExportError(f"{origin[name]} and {key} are one parameter of the model ({name}) but differ by {diff:g} "
-                              "in the checkpoint; they must be declared tied in the chain")
-        out[name], origin[name] = tensor, key
+        rows = source.get("slices", {}).get(str(index), {}).get(local)
+        shown = name if rows is None else f"{name}[{rows[0]}:{rows[1]}]"
+        if shown in seen and not torch.equal(seen[shown][1], tensor):
+            diff = (seen[shown][1].float() - tensor.float()).abs().max().item()
+            raise ExportError(f"{seen[shown][0]} and {key} are one parameter of the model ({shown}) but differ by "
+                              f"{diff:g} in the checkpoint; they must be declared tied in the chain")
+        seen[shown] = (key, tensor)
+        if rows is None:
+            out[name] = tensor
+        else:
+            pieces.setdefault(name, {})[(rows[0], rows[1])] = tensor
+    for name, parts in pieces.items():
+        spans = sorted(parts)
+        if spans[0][0] != 0 or any(x[1] != y[0] for x, y in zip(spans, spans[1:])):
+            raise ExportError(f"the checkpoint holds rows {spans} of {name}: they do not join into one matrix from "
+                              "row 0 (a checkpoint of another model?)")
+        out[name] = torch.cat([parts[span] for span in spans])
     for name, others in source["aliases"].items():
         if name in out:
             out.update({other: out[name] for other in others})

@@ -77,7 +77,10 @@ def test_a_budget_that_fits_only_with_packs():
         for mm, w in zip(modelled, m["memory_peak_bytes"]):
             assert 0 < w["total"] <= 17 * 2**20
             assert w["params"] == mm.params < biggest_stage  # two packs of weights, as the model says
-            assert 1 <= mm.total / w["total"] <= 1.21  # the model's stash is an upper bound: measured +20.3 %
+            # the model's stash is an upper bound (the backward's own unit is counted while it runs): measured
+            # +26.1 %; the gradient in flight (each leaves as the backward makes it) as the model says, within a pack
+            assert 1 <= mm.total / w["total"] <= 1.27
+            assert 0 < w["grads"] <= mm.grads < biggest_stage
 
 
 def test_pack_flag_is_checked():

@@ -12,10 +12,11 @@ from chimera.models import PRESETS, build_model
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """``--model`` or ``--chain``, and ``--seq-len``: the same flags as training's."""
+    """``--model`` or ``--chain``, ``--seq-len`` and ``--vocab-shards``: the same flags as training's."""
     add_field(p, "model", default=None, help="preset model: " + ", ".join(sorted(PRESETS)))
     add_field(p, "chain", default=None)
     add_field(p, "seq_len", default=None, help="sequence length of a transformer preset (default: the preset's)")
+    add_field(p, "vocab_shards", default=1)
 
 
 def model_of(args: argparse.Namespace) -> Any:
@@ -24,7 +25,10 @@ def model_of(args: argparse.Namespace) -> Any:
         raise UsageError("give the model: --model PRESET or --chain pkg.module:factory (one of them)")
     try:
         if args.chain is not None:
+            if args.vocab_shards != 1:
+                raise UsageError(f"--vocab-shards {args.vocab_shards} splits a GPT-2 preset; split your own model "
+                                 "when you make it (decompose(model, vocab_shards=K))")
             return load_chain(args.chain)[0]
-        return build_model(args.model, seq_len=args.seq_len)
+        return build_model(args.model, seq_len=args.seq_len, vocab_shards=args.vocab_shards)
     except (ConfigError, ValueError) as e:
         raise UsageError(str(e)) from None

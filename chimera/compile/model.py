@@ -43,6 +43,10 @@ def resolve_model(cfg: TrainConfig, chain: LayerChain | None = None, data: Any =
 
 
 def _model(cfg: TrainConfig, chain: LayerChain | None, data: Any) -> Model:
+    if cfg.model.vocab_shards != 1 and (chain is not None or cfg.model.chain is not None):
+        raise ConfigError(f"--vocab-shards {cfg.model.vocab_shards} splits a GPT-2 preset (--model gpt2-*); for your "
+                          "own chain split the model when you make it: chimera.models.decompose.decompose(model, "
+                          "vocab_shards=K) or load_pretrained(DIR, vocab_shards=K)")
     if chain is None and cfg.model.chain is not None:
         chain, made = load_chain(cfg.model.chain)
         if data is None and chain.data is None:  # a data factory of the chain numbers samples by this run's N, W
@@ -111,6 +115,6 @@ def preset_chain(cfg: TrainConfig) -> LayerChain:
 def _build(cfg: TrainConfig, overrides: dict[str, Any]) -> LayerChain:
     m = cfg.model
     try:
-        return build_model(m.name, seq_len=m.seq_len, corpus=m.corpus, **overrides)
+        return build_model(m.name, seq_len=m.seq_len, corpus=m.corpus, vocab_shards=m.vocab_shards, **overrides)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--model {m.name}: {e}") from None

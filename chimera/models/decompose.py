@@ -18,7 +18,9 @@ Usage::
 Parameters that are one tensor in the model (GPT-2's ``lm_head.weight`` and ``wte.weight``) and sit in two
 layers are declared as ``tied`` automatically. The chain holds the model's own submodules (copied only when its
 layers are built) and a ``source`` record (:func:`source_record`) that maps every layer's ``state_dict`` names to
-the model's, which :mod:`chimera.export` uses to write a trained checkpoint back in the model's own names.
+the model's, which :mod:`chimera.export` uses to write a trained checkpoint back in the model's own names. With
+``vocab_shards=K`` (GPT-2) the embedding and head layers hold copies of K row ranges of the model's matrices
+(the record says which rows; export joins them).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch import nn
 
 from chimera.microbatch import rows, tensors
 from chimera.models.chain import ChainError, DataFactory, LayerChain, Loss, Tied, call
-from chimera.models.hf import ARCHITECTURES
+from chimera.models.hf import ARCHITECTURES, VOCAB_SHARDED
 
 SOURCE_FORMAT = 1
 
@@ -48,17 +50,23 @@ class DecomposedChain(LayerChain):
 
 def decompose(model: nn.Module | Sequence[nn.Module], example: tuple[Any, Any] | None = None,
               loss: Loss | None = None, *, name: str | None = None, data: DataFactory | None = None,
-              seq_len: int = 128, micro_batch_size: int = 2) -> DecomposedChain:
+              seq_len: int = 128, micro_batch_size: int = 2, vocab_shards: int = 1) -> DecomposedChain:
     """``model`` as a layer chain (module docstring). ``example``: one micro-batch ``(inputs, labels)``;
     ``loss(last output, labels)``: the micro-batch mean; ``data``: the chain's dataset factory (optional);
     without ``example``, a micro-batch of ``micro_batch_size`` samples from ``data``, or for a transformers model
-    random tokens (``seq_len`` of them; the data's sequence length must be the example's). Raises
-    :class:`ChainError` naming the module that cannot be split and what to do instead."""
+    random tokens (``seq_len`` of them; the data's sequence length must be the example's); ``vocab_shards`` (GPT-2):
+    the token embedding and the LM head split by vocabulary rows into that many layers each
+    (:mod:`chimera.models.vocab`). Raises :class:`ChainError` naming the module that cannot be split and what to do
+    instead."""
     if example is None and data is not None:
         example = data(micro_batch_size, 0, 1, 1).get(0, 0, 0)  # a real micro-batch: the data's sequence length
     arch = _transformers_class(model)
     if arch is not None:
-        return _decompose_transformers(model, arch, example, loss, name, data, seq_len, micro_batch_size)
+        return _decompose_transformers(model, arch, example, loss, name, data, seq_len, micro_batch_size,
+                                       vocab_shards)
+    if vocab_shards != 1:
+        raise ChainError(f"decompose: vocab_shards={vocab_shards} splits the embedding and head of a transformers "
+                         f"model ({', '.join(sorted(VOCAB_SHARDED))}); {_kind(model)} has none: use vocab_shards=1")
     root, children = _children(model)
     if loss is None or example is None:
         missing = " and ".join(n for n, v in (("loss=", loss), ("example=", example)) if v is None)
@@ -162,16 +170,25 @@ def find_tied(layers: Sequence[nn.Module]) -> list[Tied]:
 
 
 def source_record(root: nn.Module, layers: Sequence[nn.Module], *, kind: str, architecture: str,
-                  config: dict[str, Any] | None = None, path: str | None = None) -> dict[str, Any]:
+                  config: dict[str, Any] | None = None, path: str | None = None,
+                  slices: dict[int, tuple[str, int, int]] | None = None) -> dict[str, Any]:
     """Where a chain's layers come from: ``names[i]`` maps layer ``i``'s ``state_dict`` names to ``root``'s, and
-    ``aliases`` lists the other names of tensors the model holds under several (tied) names. JSON-serialisable."""
+    ``aliases`` lists the other names of tensors the model holds under several (tied) names. ``slices`` (id of a
+    layer's tensor -> (the model's name, first row, row after)): tensors that hold rows of one of the model's; the
+    record's ``slices[str(i)][name]`` gives their ``[first row, row after]``. JSON-serialisable."""
     owners: dict[int, list[str]] = {}
     for full, t in root.state_dict(keep_vars=True).items():
         owners.setdefault(id(t), []).append(full)
+    slices = slices or {}
     names: list[dict[str, str]] = []
+    rows: dict[str, dict[str, list[int]]] = {}
     for i, layer in enumerate(layers):
         local: dict[str, str] = {}
         for lname, t in layer.state_dict(keep_vars=True).items():
+            if id(t) in slices:
+                local[lname], a, b = slices[id(t)]
+                rows.setdefault(str(i), {})[lname] = [a, b]
+                continue
             if id(t) not in owners:
                 raise ChainError(f"decompose: {lname!r} of layer {i} ({type(layer).__name__}) is not a tensor of "
                                  f"{type(root).__name__}")
@@ -179,16 +196,22 @@ def source_record(root: nn.Module, layers: Sequence[nn.Module], *, kind: str, ar
         names.append(local)
     aliases = {full[0]: full[1:] for full in owners.values() if len(full) > 1}
     return {"format": SOURCE_FORMAT, "kind": kind, "architecture": architecture, "config": config, "path": path,
-            "names": names, "aliases": aliases}
+            "names": names, "aliases": aliases, "slices": rows}
 
 
 def _decompose_transformers(model: nn.Module, arch: str, example: tuple[Any, Any] | None, loss: Loss | None,
-                            name: str | None, data: DataFactory | None, seq_len: int, micro_batch_size: int
-                            ) -> DecomposedChain:
+                            name: str | None, data: DataFactory | None, seq_len: int, micro_batch_size: int,
+                            vocab_shards: int = 1) -> DecomposedChain:
     if arch not in ARCHITECTURES or not type(model).__module__.startswith("transformers."):
         raise ChainError(f"decompose: {type(model).__module__}.{arch} (module path '', the model itself) is not a "
                          f"transformers architecture chimera can split; supported: {', '.join(sorted(ARCHITECTURES))}")
-    split = ARCHITECTURES[arch](model)
+    if vocab_shards != 1 and arch not in VOCAB_SHARDED:
+        raise ChainError(f"decompose: vocab_shards={vocab_shards}: {arch} cannot be split by vocabulary (only "
+                         f"{', '.join(sorted(VOCAB_SHARDED))}); use vocab_shards=1")
+    vocab = int(model.config.vocab_size)  # type: ignore[union-attr]
+    if not 1 <= vocab_shards <= vocab:
+        raise ChainError(f"decompose: vocab_shards must be in [1, {vocab}] (the vocabulary's size), got {vocab_shards}")
+    split = ARCHITECTURES[arch](model, vocab_shards=vocab_shards) if vocab_shards != 1 else ARCHITECTURES[arch](model)
     config = model.config  # type: ignore[union-attr]
     if example is None:
         max_pos = int(getattr(config, "max_position_embeddings", seq_len))
@@ -201,7 +224,7 @@ def _decompose_transformers(model: nn.Module, arch: str, example: tuple[Any, Any
     cfg = json.loads(config.to_json_string(use_diff=False))
     cfg["architectures"] = [arch]
     source = source_record(model, split.layers, kind="transformers", architecture=arch, config=cfg,
-                           path=getattr(config, "_name_or_path", None) or None)
+                           path=getattr(config, "_name_or_path", None) or None, slices=split.slices)
     return _finish(split.layers, loss or split.loss, example, name or arch, data, source)
 
 

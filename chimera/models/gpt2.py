@@ -3,6 +3,11 @@
 Layers: token + position embeddings, ``GPT2Block`` blocks, final LayerNorm + LM head (tied to the token
 embedding, returning logits); the loss is the shifted causal-LM cross-entropy. Activations between layers:
 ``(hidden [B,S,H] float, attention_mask [B,S] int64)``; every block builds the additive causal + padding mask.
+
+``vocab_shards=K`` (K > 1) splits the token embedding and the head by vocabulary rows into K layers each
+(:mod:`chimera.models.vocab`), embedding shard j tied to head shard j: the same model, computed in smaller
+layers, so that weights streamed in packs of one layer fit a small device. Each shard draws its own
+initialisation (from its own layer's seed), so the initial weights differ from ``vocab_shards=1``'s.
 """
 
 from __future__ import annotations
@@ -23,6 +28,14 @@ from chimera.models.transformer import (
     init_module_,
     own_generator,
     residual_std,
+)
+from chimera.models.vocab import (
+    FirstHeadShard,
+    FirstTokenShard,
+    HeadShard,
+    LastTokenShard,
+    TokenShard,
+    vocab_bounds,
 )
 
 EMBED_WEIGHT = "wte.weight"
@@ -101,17 +114,60 @@ def gpt2_layer(config: GPT2Config, index: int) -> nn.Module:
     return layer
 
 
+def gpt2_sharded_layer(config: GPT2Config, shards: int, index: int) -> nn.Module:
+    """Layer ``index`` of the chain split by vocabulary into ``shards`` (module docstring): embedding shards
+    ``0..K-1`` (each its ``wte`` rows, then ``wpe`` in the last, ~ N(0, std)), the blocks, head shards (``ln_f`` in
+    the first; the LM head shards are tied copies of the embedding shards)."""
+    bounds = vocab_bounds(config.vocab_size, shards)
+    blocks, hidden = config.n_layer, config.hidden_size
+    if shards <= index < shards + blocks:
+        return gpt2_layer(config, index - shards + 1)
+    gen = own_generator()
+    with torch.no_grad():
+        if index < shards:
+            start, stop = bounds[index]
+            wte = nn.Embedding(stop - start, hidden)
+            init_module_(wte, gen, config.initializer_range)
+            if index == 0:
+                return FirstTokenShard(wte, start)
+            if index < shards - 1:
+                return TokenShard(wte, start)
+            wpe = nn.Embedding(config.max_position_embeddings, hidden)
+            init_module_(wpe, gen, config.initializer_range)
+            return LastTokenShard(wte, start, wpe, nn.Dropout(config.embd_pdrop))
+        j = index - shards - blocks
+        start, stop = bounds[j]
+        head = nn.Linear(hidden, stop - start, bias=False)  # the tied copy of embedding shard j
+        if j > 0:
+            return HeadShard(head, last=j == shards - 1)
+        return FirstHeadShard(nn.LayerNorm(hidden, eps=config.layer_norm_epsilon), head)  # LayerNorm: (1, 0)
+
+
 class GPT2LM(TransformerChain):
-    """GPT-2 LM chain: ``[GPT2EmbeddingLayer, GPT2BlockLayer x L, GPT2HeadLayer]``, causal-LM loss."""
+    """GPT-2 LM chain: ``[GPT2EmbeddingLayer, GPT2BlockLayer x L, GPT2HeadLayer]``, causal-LM loss; with
+    ``vocab_shards`` K > 1, K embedding shards and K head shards instead (module docstring)."""
 
     family = "gpt2"
 
-    def __init__(self, name: str, config: GPT2Config, seq_len: int, corpus: str | None = None) -> None:
-        layers = [partial(gpt2_layer, config, i) for i in range(config.n_layer + 2)]
+    def __init__(self, name: str, config: GPT2Config, seq_len: int, corpus: str | None = None,
+                 vocab_shards: int = 1) -> None:
+        self.vocab_shards = vocab_shards
+        self.bounds = vocab_bounds(config.vocab_size, vocab_shards)
+        if vocab_shards == 1:
+            layers = [partial(gpt2_layer, config, i) for i in range(config.n_layer + 2)]
+            tied = [((0, EMBED_WEIGHT), (len(layers) - 1, LM_HEAD_WEIGHT))]
+        else:
+            layers = [partial(gpt2_sharded_layer, config, vocab_shards, i)
+                      for i in range(config.n_layer + 2 * vocab_shards)]
+            head0 = vocab_shards + config.n_layer
+            tied = [((j, EMBED_WEIGHT), (head0 + j, LM_HEAD_WEIGHT)) for j in range(vocab_shards)]
         example = SyntheticGPT2Dataset(config.vocab_size, seq_len, 1, 0).get(0, 0, 0)
-        tied = [((0, EMBED_WEIGHT), (len(layers) - 1, LM_HEAD_WEIGHT))]
         data = partial(text_dataset, "gpt2", config.vocab_size, seq_len, corpus)
         super().__init__(name, config, seq_len, layers, lm_loss, example, tied, data)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.config.n_layer)
 
     @property
     def hidden_size(self) -> int:
@@ -122,9 +178,31 @@ class GPT2LM(TransformerChain):
         return int(self.config.vocab_size)
 
     def hf_parameter_name(self, index: int, name: str) -> str:
-        """Map to ``GPT2LMHeadModel`` names (``transformer.wte``, ``transformer.h.i.*``, ``lm_head``)."""
-        if index == 0:
+        """Map to ``GPT2LMHeadModel`` names (``transformer.wte``, ``transformer.h.i.*``, ``lm_head``); a shard's
+        ``wte.weight`` / ``lm_head.weight`` names the whole matrix it holds rows of."""
+        k = self.vocab_shards
+        if index < k:
             return f"transformer.{name}"
-        if index == self.num_layers - 1:
+        if index >= k + self.num_blocks:
             return name if name.startswith("lm_head") else f"transformer.{name}"
-        return f"transformer.h.{index - 1}.{name.removeprefix('block.')}"
+        return f"transformer.h.{index - k}.{name.removeprefix('block.')}"
+
+    def hf_state_dict(self, layers: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
+        """As :meth:`TransformerChain.hf_state_dict`; vocabulary shards joined into the whole matrices (every shard
+        of a matrix must be among ``layers``)."""
+        k, head0 = self.vocab_shards, self.vocab_shards + self.num_blocks
+        sharded = {"wte.weight": range(k), "lm_head.weight": range(head0, head0 + k)} if k > 1 else {}
+        out: dict[str, torch.Tensor] = {}
+        for index, layer in layers.items():
+            for name, param in layer.named_parameters(remove_duplicate=False):
+                if index not in sharded.get(name, ()):
+                    out[self.hf_parameter_name(index, name)] = param.detach()
+        for name, indices in sharded.items():
+            shards = [layers.get(i) for i in indices]
+            if all(m is None for m in shards):
+                continue
+            if any(m is None for m in shards):
+                raise ValueError(f"{name} is split over layers {indices.start}..{indices.stop - 1}: give all of them")
+            out[self.hf_parameter_name(indices.start, name)] = torch.cat(
+                [m.get_parameter(name).detach() for m in shards])  # type: ignore[union-attr]
+        return out

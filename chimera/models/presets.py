@@ -93,8 +93,12 @@ def _family(family: str) -> tuple[type, type[LayerChain]]:
     return DelayConfig, DelayModel
 
 
-def build_model(name: str, *, seq_len: int | None = None, corpus: str | None = None, **overrides: Any) -> LayerChain:
+def build_model(name: str, *, seq_len: int | None = None, corpus: str | None = None, vocab_shards: int = 1,
+                **overrides: Any) -> LayerChain:
     """The layer chain of preset ``name``; ``overrides`` set config fields (e.g. ``num_hidden_layers=4``).
+
+    ``vocab_shards`` (GPT-2 presets): the token embedding and the LM head split by vocabulary rows into that many
+    layers each (:mod:`chimera.models.vocab`).
 
     Transformer presets: ``seq_len`` replaces the preset's default sequence length (it must fit the position
     embeddings) and ``corpus`` names the data of :meth:`LayerChain.dataset` (None: synthetic tokens). The delay
@@ -103,6 +107,9 @@ def build_model(name: str, *, seq_len: int | None = None, corpus: str | None = N
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))}")
     preset = PRESETS[name]()
+    if vocab_shards != 1 and preset["family"] != "gpt2":
+        raise ValueError(f"vocab_shards={vocab_shards}: only the GPT-2 presets split their embedding and head by "
+                         f"vocabulary; {name} is a {preset['family']} preset (use vocab_shards=1)")
     config_cls, chain_cls = _family(preset["family"])
     config = config_cls(**preset["config"])
     for key, value in overrides.items():
@@ -122,4 +129,6 @@ def build_model(name: str, *, seq_len: int | None = None, corpus: str | None = N
     blocks = config.num_hidden_layers if preset["family"] == "bert" else config.n_layer
     if blocks < 1:
         raise ValueError(f"{name} needs at least one transformer block, got {blocks}")
+    if preset["family"] == "gpt2":
+        return chain_cls(name, config, seq_len, corpus, vocab_shards=vocab_shards)
     return chain_cls(name, config, seq_len, corpus)

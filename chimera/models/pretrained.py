@@ -4,6 +4,7 @@ Usage::
 
     from chimera.models.pretrained import load_pretrained
     chain = load_pretrained("runs/gpt2-small", seq_len=128)       # GPT2LMHeadModel, from config.json
+    chain = load_pretrained("runs/gpt2-small", vocab_shards=8)    # wte and lm_head as 8 row ranges each
     chimera.train(chain, data, schedule="chimera", stages=4, micro_batches=8)
 
 The class is the first of ``architectures`` in the directory's ``config.json`` and must be one that
@@ -62,7 +63,7 @@ def load_model(path: str | Path) -> Any:
 
 def load_pretrained(path: str | Path, *, seq_len: int = 128, micro_batch_size: int = 2, train: bool = True,
                     name: str | None = None, data: DataFactory | None = None, loss: Loss | None = None,
-                    example: tuple[Any, Any] | None = None) -> DecomposedChain:
+                    example: tuple[Any, Any] | None = None, vocab_shards: int = 1) -> DecomposedChain:
     """The model saved in ``path`` as a chain (see :func:`chimera.models.decompose.decompose` for the arguments).
 
     ``train``: dropout on, as in fine-tuning (False: the layers run as in evaluation). The chain's ``source``
@@ -71,6 +72,6 @@ def load_pretrained(path: str | Path, *, seq_len: int = 128, micro_batch_size: i
     model = load_model(path)
     model.train(train)
     chain = decompose(model, example=example, loss=loss, name=name, data=data, seq_len=seq_len,
-                      micro_batch_size=micro_batch_size)
+                      micro_batch_size=micro_batch_size, vocab_shards=vocab_shards)
     chain.source["path"] = str(Path(path).resolve())
     return chain

@@ -5,7 +5,7 @@
 Every swap action is placed by its own stage's policy (a stage kept on the device gets none):
 
 * gradients offloaded: GRAD_OUT right after every backward part that makes weight gradients (so before the stage's
-  gradient sum starts); else, where the optimizer state is offloaded, GRAD_OUT of every stage replica before the
+  gradient sum starts; with weights in packs each gradient has already left as the backward made it); else, where the optimizer state is offloaded, GRAD_OUT of every stage replica before the
   optimizer step (the step runs on the host's copies);
 * optimizer state offloaded, weights kept on the device: SWAP_IN of every stage replica after the step (the
   updated weights);

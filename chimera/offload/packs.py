@@ -7,7 +7,8 @@ releases what is left; a backward starts with the last pack in and the one befor
 gradient reaching the input of pack j (a hook registered during the forward) releases pack j and moves on to
 pack j-1. So at most two consecutive packs are on the device, and every pack moves once per micro-batch of a
 forward or backward: the memory model (``chimera.plan.memory``) and the bytes predicted for a step
-(``swap_bytes``) count the same.
+(``swap_bytes``) count the same. Gradients leave for the host one parameter at a time as the backward
+accumulates them (:class:`chimera.offload.store.HostStore`), so at most one pack's gradients are on the device.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class PackStream:
         self.nbytes = [sum(store.home(p).numel() * store.home(p).element_size() for p in ps) for ps in self.packs]
         self.on: set[int] = set()
         self.held = 0
-        self.peak = 0
+        self.peak = (0, 0)  # (weights, gradients in flight) when their sum was largest
         for j, first in enumerate(layers[::size]):
             first.register_forward_pre_hook(self._entering(j), with_kwargs=True)
         layers[-1].register_forward_hook(lambda *_: self.release_all())
@@ -54,7 +55,7 @@ class PackStream:
             self.store.copy_in(self.packs[j], (self.key, j))
             self.on.add(j)
             self.held += self.nbytes[j]
-            self.peak = max(self.peak, self.held)
+            self.note_grad(0)
 
     def _drop(self, j: int) -> None:
         if j in self.on:
@@ -97,7 +98,13 @@ class PackStream:
         for j in sorted(self.on):
             self._drop(j)
 
-    def take_peak(self) -> int:
-        """The most bytes held at once since the last call; restarts from what is held now."""
-        peak, self.peak = self.peak, self.held
+    def note_grad(self, nbytes: int) -> None:
+        """A gradient of ``nbytes`` is on the device now, beside the packs held (it leaves for the host next)."""
+        if self.held + nbytes > sum(self.peak):
+            self.peak = (self.held, nbytes)
+
+    def take_peak(self) -> tuple[int, int]:
+        """(weights, gradients) when the most bytes were held at once since the last call; restarts from what is
+        held now."""
+        peak, self.peak = self.peak, (self.held, 0)
         return peak

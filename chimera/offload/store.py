@@ -8,7 +8,8 @@ add_offload``) move data:
 * ``SWAP_IN``: host -> device weights of a stage replica (on GPU on a separate copy stream; the stage's next
   F or B waits for the copy's event, so a prefetched swap-in overlaps the compute before it);
 * ``SWAP_OUT``: release the device copy of a stage's weights (the host copy is current: nothing moves);
-* ``GRAD_OUT``: device -> host gradients, added to the host's sum (the device gradients are freed).
+* ``GRAD_OUT``: device -> host gradients, added to the host's sum (the device gradients are freed); with weights
+  in packs each gradient already left when the backward accumulated it (a hook on the parameter).
 
 While weights are offloaded, a forward's autograd graph must not keep the device weights alive until the
 backward: :meth:`HostStore.pack` turns a saved tensor that lives in a device weight into a reference to that
@@ -66,13 +67,28 @@ class HostStore:
             if offload.weights_at(key[1]):
                 self.swap_out(key)
         self.moved = 0
-        # weights in packs: streamed inside the stage's forwards and backwards (chimera.offload.packs)
+        # weights in packs: streamed inside the stage's forwards and backwards (chimera.offload.packs); each
+        # gradient leaves the device as soon as the backward has accumulated it, so a stage's gradients are never
+        # on the device together (GRAD_OUT then finds none left)
         self.packs = {key: PackStream(self, key, mod, offload.at(key[1]).pack) for key, mod in modules.items()
                       if offload.packed_at(key[1])}
+        for key, stream in self.packs.items():
+            for p in self.params[key]:
+                p.register_post_accumulate_grad_hook(self._grad_done(stream))
 
-    def transient_peak(self) -> int:
-        """Device bytes of packs held at once since the last call (inside compute actions), then reset."""
-        return sum(stream.take_peak() for stream in self.packs.values())
+    def _grad_done(self, stream: PackStream) -> Any:
+        def hook(p: nn.Parameter) -> None:
+            assert p.grad is not None
+            stream.note_grad(p.grad.numel() * p.grad.element_size())
+            self._grad_out(p)
+
+        return hook
+
+    def transient_peak(self) -> tuple[int, int]:
+        """Device bytes held at once inside compute actions since the last call, then reset: packs of weights, and
+        the gradients in flight to the host at that moment."""
+        peaks = [stream.take_peak() for stream in self.packs.values()]
+        return sum(w for w, _ in peaks), sum(g for _, g in peaks)
 
     def backward_packs(self, key: StageKey) -> None:
         """Before a backward of ``key``: its last pack in (and the one before it prefetched), if it streams."""
@@ -144,16 +160,20 @@ class HostStore:
     def grads_out(self, key: StageKey) -> None:
         """Device -> host gradients of ``key``, added to the host's sum; the device gradients are freed."""
         for p in self.params[key]:
-            if p.grad is None:
-                continue
-            h = self.host[id(p)]
-            g = p.grad.detach().to("cpu", copy=True)  # on GPU a synchronous copy: the host adds it next
-            if h.grad is None:
-                h.grad = g
-            else:
-                h.grad.add_(g)
-            self.moved += g.numel() * g.element_size()
-            p.grad = None
+            if p.grad is not None:
+                self._grad_out(p)
+
+    def _grad_out(self, p: nn.Parameter) -> None:
+        """Device -> host gradient of ``p``, added to the host's sum; the device gradient is freed."""
+        assert p.grad is not None
+        h = self.host[id(p)]
+        g = p.grad.detach().to("cpu", copy=True)  # on GPU a synchronous copy: the host adds it next
+        if h.grad is None:
+            h.grad = g
+        else:
+            h.grad.add_(g)
+        self.moved += g.numel() * g.element_size()
+        p.grad = None
 
     # -- autograd's saved tensors ----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor | WeightRef:

@@ -17,7 +17,8 @@ for a pair of replicas also the peer's bucket, received into a buffer posted whe
 With offload (a schedule lowered with ``Offload``), for every stage by that stage's policy, the device holds no
 optimizer state, gradients only from a backward to their GRAD_OUT (gradient sums then run over host buffers), and,
 with weights offloaded, a stage's weights only from its SWAP_IN to its SWAP_OUT; with weights in packs
-(``StageOffload.pack``) only during the stage's own forwards and backwards, at most two consecutive packs at once.
+(``StageOffload.pack``) only during the stage's own forwards and backwards, at most two consecutive packs at once,
+and gradients only while its backward makes them (each leaves as soon as it is accumulated): the largest pack's.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class _Stage:
     msg_in: int  # one unit's received activation
     msg_out: int  # one unit's sent activation
     pack_peak: int = 0  # weights in packs (Offload.pack): the largest two consecutive packs, on the device together
+    pack_max: int = 0  # weights in packs: the largest pack (its gradients, on their way to the host, at most)
 
 
 def _stages(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, optimizer: str,
@@ -83,7 +85,8 @@ def _stages(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, 
                  for j in range(0, len(layers), pack)] if pack else []
         peak = max((a + b for a, b in zip(packs, packs[1:])), default=sum(packs))
         out.append(_Stage(params - within, params - within - apart, opt - opt_within, kept, full,
-                          costs[0].input_bytes if s > 0 else 0, costs[-1].output_bytes if s < last else 0, peak))
+                          costs[0].input_bytes if s > 0 else 0, costs[-1].output_bytes if s < last else 0, peak,
+                          max(packs, default=0)))
     return out
 
 
@@ -191,7 +194,8 @@ def _worker(held: list[int], groups: list[int], states: set[tuple[tuple[int, ...
         params = sum(x.params if not p else x.pack_peak * c for r, c, x, p in zip(resident, computing, st, packed)
                      if r or p)
         act = sum(c * x.stash + t * e for c, t, x, e in zip(live, transient, st, extra))
-        g = sum(x.params for f, x in zip(grads, st) if f)
+        # in packs, gradients leave as the backward makes them: one pack's at most, only while it computes
+        g = sum((x.pack_max * c if p else x.params) for f, c, x, p in zip(grads, computing, st, packed) if f)
         msgs = sum(o * x.msg_out + i * x.msg_in for o, i, x in zip(out, inn, st))
         sync = preposted + sum(x.bucket for f, x, n, d in zip(flats, st, groups, device_sync) if f and n > 1 and d)
         total = params + opt + g + act + msgs + sync

@@ -10,7 +10,8 @@ Process groups (created in the same order on every rank):
   (:attr:`Communicator.host_groups`): its gradients are summed over host buffers, which NCCL cannot reduce, while
   its device traffic stays on the groups above. Built on CPU too (where every group is gloo), so the two-group
   path runs in the CPU tests;
-* one group for tied weights (the ranks holding the first or the last stage), when the model ties them;
+* one group per set of ranks holding the ends of a tied pair on different stages (e.g. the first and the last
+  stage), when the model ties weights;
 * the default group (all ranks) for the global gradient norm.
 
 :class:`CommBatches` posts a worker's communication batches (runs of send/receive actions of the schedule)
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -60,7 +61,7 @@ class Op(NamedTuple):
 class Communicator:
     """Process groups and timed waits for one rank of a pipeline job."""
 
-    def __init__(self, schedule: Schedule, rank: int, tied_ranks: Sequence[int] = (), timeout_s: float = 120.0,
+    def __init__(self, schedule: Schedule, rank: int, tied: Iterable[Sequence[int]] = (), timeout_s: float = 120.0,
                  worker_name: str = "", payload: str = "full", host_stages: Collection[int] = ()) -> None:
         if payload not in PAYLOADS:
             raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
@@ -90,11 +91,11 @@ class Communicator:
                     if host is not None:
                         self.host_groups[s] = self._named(host, f"host {s}")
         self._host_ids = {id(g) for g in self.host_groups.values()}
-        self.tied_group = None
-        if len(tied_ranks) > 1:
-            group = dist.new_group(sorted(tied_ranks))
-            if rank in tied_ranks:
-                self.tied_group = self._named(group, "tied")
+        self.tied_groups: dict[tuple[int, ...], Any] = {}  # ranks holding an end of a tied pair -> their group
+        for ranks in sorted({tuple(sorted(r)) for r in tied if len(r) > 1}):  # every rank, in the same order
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                self.tied_groups[ranks] = self._named(group, "tied")
 
     def _named(self, group: Any, label: str) -> Any:
         self._labels[id(group)] = label

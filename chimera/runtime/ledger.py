@@ -44,11 +44,13 @@ class MemoryLedger:
             on_host = [*host.held(), *_state_tensors(stages.optimizer, host.is_host)]
             on_host += [t for (_, s), b in stages.buckets.items() if host.offload.gradients_at(s) for t in b.held()]
         host_bytes = _bytes(on_host, seen)
+        # weights in packs and their gradients on the way out: the most held at once during the action (gone by
+        # its end)
+        packs, flying = host.transient_peak() if host else (0, 0)
         counts = {
-            # weights in packs: the most held at once during the action (released by its end)
-            "params": _bytes(stages.device_params, seen) + (host.transient_peak() if host else 0),
+            "params": _bytes(stages.device_params, seen) + packs,
             "optimizer": _bytes(_state_tensors(stages.optimizer), seen),
-            "grads": _bytes((p.grad for p in stages.device_params if p.grad is not None), seen),
+            "grads": _bytes((p.grad for p in stages.device_params if p.grad is not None), seen) + flying,
             "activations": _bytes(_stash_tensors(st), seen),
             "messages": _bytes([*_tuples(st.inbox.values()), *_tuples(st.outbox.values()), *self.batches.held()],
                                seen),

@@ -2,8 +2,8 @@
 buckets, optimizer and learning-rate schedule.
 
 Tied parameters (a chain's ``tied`` pairs, e.g. the embedding on the first stage and the decoder on the last) are
-left out of the stage buckets and summed over every rank that holds either end before clipping (on one rank alone
-where a V placement puts the first and the last stage together and nothing else holds them). The global
+left out of the stage buckets and summed, pair by pair, over every rank that holds either end before clipping (on
+one rank alone where a V placement puts the first and the last stage together and nothing else holds them). The global
 gradient norm counts each stage once: the first pipe's replica in data-parallel group 0.
 """
 
@@ -24,13 +24,17 @@ from chimera.runtime.grad_sync import GradBuckets
 StageKey = tuple[str, int]
 
 
-def tied_ranks(job: Job) -> list[int]:
-    """Global ranks that hold an end of a tied pair on different stages (empty when nothing is tied apart)."""
+def tied_ranks(job: Job) -> dict[int, tuple[int, ...]]:
+    """For every tied pair whose ends sit on different stages (by its index in the chain's ``tied``), the global
+    ranks that hold either end: those sum its gradient (a pair on one stage is one parameter there, summed with
+    the stage's own gradients)."""
     sched = job.schedule
     stage_of = {i: s for s, layers in enumerate(job.stage_layers) for i in layers}
-    stages = {stage_of[i] for pair in job.chain.tied_parameters() for i, _ in pair
-              if stage_of[pair[0][0]] != stage_of[pair[1][0]]}
-    return sorted({r for s in stages for r in sched.stage_group(s)})
+    out = {}
+    for k, ((a, _), (b, _)) in enumerate(job.chain.tied_parameters()):
+        if stage_of[a] != stage_of[b]:
+            out[k] = tuple(sorted({r for s in (stage_of[a], stage_of[b]) for r in sched.stage_group(s)}))
+    return out
 
 
 class StageState:
@@ -55,14 +59,16 @@ class StageState:
                 mod.to(device)  # buffers; the parameters are empty until swapped in
         home = self.host.home if self.host else _same
         self.device_params = _unique(p for mod in self.modules.values() for p in mod.parameters())
-        self.tied: list[torch.nn.Parameter] = []
-        if comm.rank in tied_ranks(job):  # an end of a pair tied across stages is here (a V placement: both ends)
-            for pair in job.chain.tied_parameters():
-                for mod in self.modules.values():
-                    for layer_idx, name in pair:
-                        if layer_idx in mod.indices:
-                            self.tied.append(home(mod.layers[mod.indices.index(layer_idx)].get_parameter(name)))
-        tied_ids = {id(p) for p in self.tied}
+        # every pair tied across stages with an end here (a V placement: both ends): its ends and the ranks that
+        # hold one, summed pair by pair
+        self.tied: list[tuple[list[torch.nn.Parameter], tuple[int, ...]]] = []
+        pairs = job.chain.tied_parameters()
+        for k, ranks in tied_ranks(job).items():
+            ends = [home(mod.layers[mod.indices.index(layer_idx)].get_parameter(name))
+                    for mod in self.modules.values() for layer_idx, name in pairs[k] if layer_idx in mod.indices]
+            if ends:
+                self.tied.append((ends, ranks))
+        tied_ids = {id(p) for ends, _ in self.tied for p in ends}
         self.buckets: dict[StageKey, GradBuckets] = {}
         for (pipe, s), mod in self.modules.items():
             # offloaded gradients are summed over their host copies, on the stage's host group (gloo)
@@ -110,13 +116,14 @@ class StageState:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.tied:  # (offloaded: the sums travel through the device, where the process group works)
-            total = self.tied[0].grad.to(self.device)  # summed in place: one pass per other end, no stacked copy
-            for p in self.tied[1:]:
+        for k, (ends, ranks) in enumerate(self.tied):  # (offloaded: the sums travel through the device, by pair)
+            total = ends[0].grad.to(self.device)  # summed in place: one pass per other end, no stacked copy
+            for p in ends[1:]:
                 total.add_(p.grad.to(self.device))
-            if self.comm.tied_group is not None:  # None: every end is on this rank, summed above
-                total = self.comm.allreduce(total, self.comm.tied_group, f"tied-weight gradient sum in step {step}")
-            for p in self.tied:
+            group = self.comm.tied_groups.get(ranks)
+            if group is not None:  # None: every end is on this rank, summed above
+                total = self.comm.allreduce(total, group, f"tied-weight gradient sum {k} in step {step}")
+            for p in ends:
                 if p.grad is not total:
                     p.grad.copy_(total)
         norm = 0.0

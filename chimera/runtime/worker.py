@@ -97,7 +97,7 @@ class PipelineWorker:
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=self.init_method,
                                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=t.timeout_s))
         host_stages = [s for s in range(sched.stages) if self.job.offload.gradients_at(s)]
-        self.comm = Communicator(sched, self.rank, tied_ranks(self.job), t.timeout_s, self.name, t.comm_payload,
+        self.comm = Communicator(sched, self.rank, tied_ranks(self.job).values(), t.timeout_s, self.name, t.comm_payload,
                                  host_stages)
         self.stages = StageState(self.job, self.worker, self.dp_rank, self.device, self.comm)
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if t.amp and self.device.type == "cuda"

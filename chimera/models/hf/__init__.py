@@ -22,5 +22,7 @@ ARCHITECTURES: dict[str, Callable[[Any], Split]] = {
     "GPT2LMHeadModel": split_lm,
     "LlamaForCausalLM": split_causal_lm,
 }
+#: the architectures whose split takes ``vocab_shards`` (embedding and head split by vocabulary rows)
+VOCAB_SHARDED = frozenset({"GPT2LMHeadModel"})
 
-__all__ = ["ARCHITECTURES", "Split"]
+__all__ = ["ARCHITECTURES", "VOCAB_SHARDED", "Split"]

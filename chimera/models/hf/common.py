@@ -75,13 +75,16 @@ def causal_lm_loss(logits: torch.Tensor, labels: Any) -> torch.Tensor:
 class Split:
     """A transformers model cut into layers: the layer modules, the model's loss and example labels for token ids.
 
-    ``labels_for(input_ids)`` returns labels shaped as the loss takes them (for the chain's example micro-batch).
+    ``labels_for(input_ids)`` returns labels shaped as the loss takes them (for the chain's example micro-batch);
+    ``slices`` names the tensors that are copies of some rows of one of the model's (a matrix split by vocabulary).
     """
 
-    def __init__(self, layers: list[nn.Module], loss: Any, labels_for: Any) -> None:
+    def __init__(self, layers: list[nn.Module], loss: Any, labels_for: Any,
+                 slices: dict[int, tuple[str, int, int]] | None = None) -> None:
         self.layers = layers
         self.loss = loss
         self.labels_for = labels_for
+        self.slices = slices or {}  # id of a layer's tensor -> (the model's name, first row, row after): a copy of rows
 
 
 def refuse_module(model: nn.Module, path: str, why: str) -> NoReturn:

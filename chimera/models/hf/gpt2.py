@@ -20,6 +20,7 @@ from chimera.models.hf.common import (
     padding_or_ones,
     refuse_module,
 )
+from chimera.models.vocab import embedding_shards, head_shards, shard_embedding, shard_linear, vocab_bounds
 
 
 class GPT2Embedding(nn.Module):
@@ -56,13 +57,26 @@ class GPT2Layer(nn.Module):
         return self.block(hidden, None, causal_mask(self.config, hidden, padding)), padding
 
 
-def split_lm(model: Any) -> Split:
-    """``GPT2LMHeadModel`` -> ``[GPT2Embedding, GPT2Layer x n_layer, CausalLMHead]`` with the causal-LM loss."""
+def split_lm(model: Any, vocab_shards: int = 1) -> Split:
+    """``GPT2LMHeadModel`` -> ``[GPT2Embedding, GPT2Layer x n_layer, CausalLMHead]`` with the causal-LM loss;
+    ``vocab_shards`` K > 1: K embedding shards and K head shards instead (:mod:`chimera.models.vocab`), holding copies
+    of the rows of ``wte`` (and of ``lm_head`` when it is not tied to it), shard j of both one tensor when tied."""
     t, config = model.transformer, model.config
     if getattr(config, "add_cross_attention", False):
         refuse_module(model, "transformer.h.0.crossattention", "cross-attention needs encoder states from outside "
                       "the chain; decompose a GPT-2 without add_cross_attention")
-    layers: list[nn.Module] = [GPT2Embedding(t.wte, t.wpe, t.drop)]
-    layers += [GPT2Layer(block, config) for block in t.h]
-    layers.append(CausalLMHead(t.ln_f, model.lm_head))
-    return Split(layers, causal_lm_loss, lm_labels)
+    blocks = [GPT2Layer(block, config) for block in t.h]
+    if vocab_shards == 1:
+        return Split([GPT2Embedding(t.wte, t.wpe, t.drop), *blocks, CausalLMHead(t.ln_f, model.lm_head)],
+                     causal_lm_loss, lm_labels)
+    if model.lm_head.bias is not None:
+        refuse_module(model, "lm_head", "a head with a bias cannot be split by vocabulary; use vocab_shards=1")
+    bounds = vocab_bounds(t.wte.weight.shape[0], vocab_shards)
+    wtes = shard_embedding(t.wte.weight, bounds)
+    tied = model.lm_head.weight is t.wte.weight
+    heads = shard_linear(model.lm_head.weight, bounds, tied=wtes if tied else None)
+    slices = {id(w.weight): ("transformer.wte.weight", a, b) for w, (a, b) in zip(wtes, bounds)}
+    if not tied:
+        slices.update({id(h.weight): ("lm_head.weight", a, b) for h, (a, b) in zip(heads, bounds)})
+    layers = [*embedding_shards(wtes, bounds, t.wpe, t.drop), *blocks, *head_shards(t.ln_f, heads)]
+    return Split(layers, causal_lm_loss, lm_labels, slices)
