@@ -15,6 +15,7 @@ from chimera.export import export, original_state, rebuild
 from chimera.models import ChainError, SequentialModel, build_model
 from chimera.models.decompose import decompose, evaluate
 from chimera.models.pretrained import load_pretrained
+from chimera.runtime import train_sequential
 from chimera.runtime.checkpoint import load
 from tests.hf_models import SEQ, VOCAB, batch, tiny, tokens
 
@@ -30,28 +31,14 @@ def _named(chain, model: SequentialModel, grads: bool = False) -> dict[str, torc
     return {name: torch.cat(ts) for name, ts in parts.items()}
 
 
-def _copy_weights(full, fm: SequentialModel, chain, sm: SequentialModel) -> None:  # noqa: ANN001
-    """``fm``'s weights into ``sm``: every shard gets its rows of the whole matrix."""
-    want = _named(full, fm)
-    k, head0 = chain.vocab_shards, chain.vocab_shards + chain.num_blocks
-    with torch.no_grad():
-        for i, layer in zip(sm.stage.indices, sm.stage.layers):
-            for name, p in layer.named_parameters():
-                t = want[chain.hf_parameter_name(i, name)]
-                if name in ("wte.weight", "lm_head.weight"):
-                    a, b = chain.bounds[i if i < k else i - head0]
-                    t = t[a:b]
-                p.copy_(t)
-
-
 @pytest.mark.parametrize("shards", [3, 4])
 def test_sharded_chain_is_the_unsharded_model(shards):
-    """For the same weights: the loss bitwise, every gradient within 1e-6 (the head's input gradient is a sum over
-    shards), on tokens from every shard, the first and last row of each, repeated tokens and padding."""
+    """Built from the same seed, the same weights (each shard holds its rows of the unsplit draw); the loss bitwise,
+    every gradient within 1e-6 (the head's input gradient is a sum over shards), on tokens from every shard, the
+    first and last row of each, repeated tokens and padding."""
     full, sharded = build_model("gpt2-tiny", seq_len=SEQ), build_model("gpt2-tiny", seq_len=SEQ, vocab_shards=shards)
     assert sharded.num_layers == full.num_layers - 2 + 2 * shards
     fm, sm = SequentialModel(full, 7), SequentialModel(sharded, 7)
-    _copy_weights(full, fm, sharded, sm)
     assert all(torch.equal(a, _named(sharded, sm)[n]) for n, a in _named(full, fm).items())
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 8192, (3, SEQ), generator=g)
@@ -69,6 +56,25 @@ def test_sharded_chain_is_the_unsharded_model(shards):
     assert max((wg[n] - gg[n]).abs().max().item() for n in wg) <= 1e-6
     # the gradient of the tied matrix: the embedding's use and the head's, summed (both ends of every shard pair)
     assert (wg["lm_head.weight"] - gg["transformer.wte.weight"]).abs().max().item() <= 1e-6
+
+
+def test_sharded_chain_trains_like_the_unsharded_with_dropout():
+    """Same seed, same run: the blocks and the embedding's dropout draw the masks of the unsplit layers they are
+    (``seed_index``), so three AdamW steps give the unsplit model's losses and weights."""
+    runs = {}
+    for k in (1, 4):
+        cfg = BASE.with_flags(model="gpt2-tiny", vocab_shards=k, steps=3, optimizer="adamw", clip_grad=0.0,
+                              model_overrides={"resid_pdrop": 0.2, "embd_pdrop": 0.2, "attn_pdrop": 0.2})
+        runs[k] = train_sequential(compile_job(cfg))
+    assert runs[4].losses == pytest.approx(runs[1].losses, abs=1e-6)
+    assert runs[4].losses[0] == runs[1].losses[0]
+    chain = build_model("gpt2-tiny", vocab_shards=4)
+    got = {}
+    for i, p in runs[4].params.items():
+        got.setdefault(chain.hf_parameter_name(*i) if isinstance(i, tuple) else i, []).append(p)
+    full = build_model("gpt2-tiny")
+    want = {full.hf_parameter_name(*i) if isinstance(i, tuple) else i: p for i, p in runs[1].params.items()}
+    assert max((torch.cat(got[n]) - w).abs().max().item() for n, w in want.items()) <= 1e-5
 
 
 @pytest.mark.parametrize("schedule,stages,layers", [("1f1b", 3, "2,6,2"), ("chimera", 2, "2,8")])

@@ -143,6 +143,12 @@ class LayerChain:
             return None
         return found[0].numel() // found[0].shape[0]
 
+    def seed_index(self, index: int) -> int:
+        """The index whose seed builds layer ``index`` and seeds its random draws (dropout): the layer's own here. A
+        chain that splits another chain's layer into parts gives every part the whole layer's index (with the same
+        draws), so that both chains start from the same weights and draw the same masks."""
+        return index
+
     def tied_parameters(self) -> list[Tied]:
         """Pairs ``((layer, param_name), (layer, param_name))`` that are one parameter of the model."""
         return list(self.tied)  # type: ignore[arg-type]
@@ -161,7 +167,7 @@ class LayerChain:
             layer = copy.deepcopy(entry)
             return layer.to("meta") if meta else layer
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(layer_seed(seed, index))
+            torch.manual_seed(layer_seed(seed, self.seed_index(index)))
             if meta:
                 with torch.device("meta"):
                     layer = entry()

@@ -6,8 +6,9 @@ embedding, returning logits); the loss is the shifted causal-LM cross-entropy. A
 
 ``vocab_shards=K`` (K > 1) splits the token embedding and the head by vocabulary rows into K layers each
 (:mod:`chimera.models.vocab`), embedding shard j tied to head shard j: the same model, computed in smaller
-layers, so that weights streamed in packs of one layer fit a small device. Each shard draws its own
-initialisation (from its own layer's seed), so the initial weights differ from ``vocab_shards=1``'s.
+layers, so that weights streamed in packs of one layer fit a small device. Every part is seeded as the whole
+layer it comes from (``seed_index``): an embedding shard draws the whole matrix and keeps its rows, so the initial
+weights and the dropout masks are those of ``vocab_shards=1``, and the two train alike (within float rounding).
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ def gpt2_sharded_layer(config: GPT2Config, shards: int, index: int) -> nn.Module
     with torch.no_grad():
         if index < shards:
             start, stop = bounds[index]
-            wte = nn.Embedding(stop - start, hidden)
-            init_module_(wte, gen, config.initializer_range)
+            whole = torch.empty(config.vocab_size, hidden)  # the unsplit embedding's draw (module docstring)
+            whole.normal_(0.0, config.initializer_range, generator=gen)
+            wte = nn.Embedding(stop - start, hidden, _weight=whole[start:stop].clone())
             if index == 0:
                 return FirstTokenShard(wte, start)
             if index < shards - 1:
@@ -164,6 +166,12 @@ class GPT2LM(TransformerChain):
         example = SyntheticGPT2Dataset(config.vocab_size, seq_len, 1, 0).get(0, 0, 0)
         data = partial(text_dataset, "gpt2", config.vocab_size, seq_len, corpus)
         super().__init__(name, config, seq_len, layers, lm_loss, example, tied, data)
+
+    def seed_index(self, index: int) -> int:
+        """The unsplit chain's index of the layer that ``index`` is (a part of): embedding shards 0, head shards
+        the head's (module docstring)."""
+        k, blocks = self.vocab_shards, self.num_blocks
+        return index if k == 1 else 0 if index < k else index - k + 1 if index < k + blocks else blocks + 1
 
     @property
     def num_blocks(self) -> int:

@@ -21,12 +21,12 @@ class StageModule(nn.Module):
     be None); other stages read ``acts``. The stage holding the last layer needs ``labels`` and returns the
     chain's scalar loss; any other stage returns its output as a tuple of tensors. ``rng`` (a unit's seed,
     :func:`unit_seed`): every layer draws its random numbers (dropout) from torch's RNG seeded with
-    ``(rng, layer index)``, the state outside left as it was; so a layer's masks depend on the unit, not on the
+    ``(rng, layer index)`` (the chain's ``seed_index``), the state outside left as it was; so a layer's masks depend on the unit, not on the
     stage that holds the layer or on what ran before it (any partition, schedule or recomputation draws the same).
     """
 
     def __init__(self, layers: Sequence[nn.Module], indices: Sequence[int], num_layers: int,
-                 loss: Loss | None = None) -> None:
+                 loss: Loss | None = None, seeds: Sequence[int] | None = None) -> None:
         super().__init__()
         indices = list(indices)
         if len(layers) != len(indices) or not indices:
@@ -39,6 +39,7 @@ class StageModule(nn.Module):
             raise ValueError("the stage holding the last layer needs the chain's loss")
         self.layers = nn.ModuleList(layers)
         self.indices = indices
+        self.seeds = list(indices if seeds is None else seeds)  # what seeds each layer's draws (seed_index)
         self.num_layers = num_layers
         self.loss_fn = loss
 
@@ -68,7 +69,7 @@ class StageModule(nn.Module):
         else:
             x = tuple(acts)
         device = self._device() if rng is not None else None
-        for index, layer in zip(self.indices, self.layers):
+        for index, layer in zip(self.seeds, self.layers):
             if device is None:
                 x = call(layer, x)
             else:
@@ -111,7 +112,8 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 def build_stage(chain: LayerChain, indices: Sequence[int], seed: int, device: torch.device | str | None = None
                 ) -> StageModule:
     """Build the layers ``indices`` of ``chain`` and wrap them as a :class:`StageModule`."""
-    return StageModule(chain.build_layers(indices, seed, device=device), indices, chain.num_layers, chain.loss)
+    return StageModule(chain.build_layers(indices, seed, device=device), indices, chain.num_layers, chain.loss,
+                       [chain.seed_index(i) for i in indices])
 
 
 class SequentialModel(nn.Module):
