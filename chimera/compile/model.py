@@ -42,6 +42,18 @@ def resolve_model(cfg: TrainConfig, chain: LayerChain | None = None, data: Any =
     return model
 
 
+#: vocabulary shards ``--offload auto`` tries, fewest first, when no offload fits a GPT-2 preset unsplit
+VOCAB_SPLITS = (2, 4, 8, 16, 32, 64)
+
+
+def vocab_splittable(cfg: TrainConfig) -> bool:
+    """Whether ``--offload auto`` may split this request's model by vocabulary: a GPT-2 preset, ``--vocab-shards``
+    not given."""
+    m = cfg.model
+    return (cfg.memory.offload == "auto" and m.chain is None and "vocab_shards" not in cfg.given
+            and m.name in PRESETS and PRESETS[m.name]()["family"] == "gpt2")
+
+
 def _model(cfg: TrainConfig, chain: LayerChain | None, data: Any) -> Model:
     if cfg.model.vocab_shards != 1 and (chain is not None or cfg.model.chain is not None):
         raise ConfigError(f"--vocab-shards {cfg.model.vocab_shards} splits a GPT-2 preset (--model gpt2-*); for your "

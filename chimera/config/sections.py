@@ -30,7 +30,8 @@ class ModelSection:
                          "tokens), or a corpus made with `chimera data prepare` and `chimera data tokenizer`")
     vocab_shards: int = option(1, "GPT-2 presets: split the token embedding and the LM head by vocabulary into this "
                                "many layers each (shard j of both tied), so that weights streamed in packs "
-                               "(--offload-pack) need only 1/K of the vocabulary's rows on the device", minimum=1)
+                               "(--offload-pack) need only 1/K of the vocabulary's rows on the device; --offload auto splits by "
+                               "itself when nothing fits unsplit, unless this is given", minimum=1)
     overrides: Mapping[str, Any] = option(factory=dict, help="fields of the preset's model config to change "
                                           "(e.g. num_blocks)", cli=False)
 
