@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from chimera.checkpoint import (
     FORMAT,
@@ -53,6 +52,14 @@ from chimera.checkpoint import (
     step_dir,
 )
 from chimera.job import Job, ResumePoint
+
+
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported on first use: it costs ~0.65 s of imports (sympy, DTensor) that a
+    worker of a run without checkpoints would pay at every start."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def _fsync(path: Path) -> None:
@@ -79,12 +86,12 @@ def _layer_params(stages: Any, keep: Callable[[tuple[str, int]], bool] = lambda 
 def load(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint (a step directory or a root: its latest), verified, on the CPU, by key."""
     p, _ = read(path)
-    reader = dcp.FileSystemReader(str(p))
+    reader = _dcp().FileSystemReader(str(p))
     saved = reader.read_metadata().state_dict_metadata
     out = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in saved.items() if hasattr(md, "size")}
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(out, storage_reader=reader, no_dist=True)
+        _dcp().load(out, storage_reader=reader, no_dist=True)
     return out
 
 
@@ -160,6 +167,7 @@ class Checkpointer:
     def _write(self, steps_done: int, state: dict[str, Any], manifest: dict[str, Any] | None) -> None:
         try:
             tmp = partial_dir(self.root, steps_done)
+            dcp = _dcp()
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=self.group)
             if manifest is None:
                 return
@@ -193,7 +201,7 @@ class Checkpointer:
     def restore(self, point: ResumePoint) -> None:
         """Load the parameters and optimizer state of this worker's layers, the optimizer groups, the LR schedule
         and (same layout) this rank's RNG states from ``point``."""
-        reader = dcp.FileSystemReader(point.path)
+        reader = _dcp().FileSystemReader(point.path)
         saved = reader.read_metadata().state_dict_metadata
         params = _layer_params(self.stages)
         missing = sorted({k for k, _ in params if k not in saved})
@@ -210,7 +218,7 @@ class Checkpointer:
             for k in rng:
                 target[k] = torch.empty(saved[k].size, dtype=saved[k].properties.dtype)
         with torch.no_grad():
-            dcp.load(target, storage_reader=reader, process_group=self.group)
+            _dcp().load(target, storage_reader=reader, process_group=self.group)
         opt = self.stages.optimizer
         for key, p in params:
             state = {name.rsplit(".", 1)[1]: (t if name.endswith(".step") else t.to(p.device))

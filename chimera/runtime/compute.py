@@ -22,7 +22,6 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from chimera.data import Units
 from chimera.job import Job
@@ -49,6 +48,9 @@ class StageCompute:
         self.autocast = autocast
         self.recompute = job.run.recompute
         self.keep_saved = keep_saved  # collect autograd's saved tensors for the memory ledger
+        # torch.distributed.pipelining costs ~1 s of imports: only a schedule with split backwards pays it, here
+        self.split = _split_backward() if any(a.kind.spec.part_of is not None for row in job.schedule.actions
+                                               for a in row) else None
         # weights offloaded: saved weights become references, resolved against the copy swapped in for the backward
         self.store = store if store is not None and store.offload.weights else None
         self.wait = store.wait if store is not None else None  # a stage's swap-in (GPU copy stream)
@@ -119,7 +121,8 @@ class StageCompute:
             if kept.groups is None:
                 torch.autograd.backward(kept.outputs, kept.grads)
             else:
-                stage_backward_weight(mod.parameters(), kept.groups)
+                assert self.split is not None
+                self.split.stage_backward_weight(mod.parameters(), kept.groups)
 
     def _backward(self, a: Action, st: StepState, split: bool) -> None:
         mod = self.modules[(a.pipe, a.stage)]
@@ -152,8 +155,7 @@ class StageCompute:
         if sent:
             self._hand_over(Msg(Res.GRAD, a.pipe, a.stage, a.microbatch), cat(sent), a.pipe, a.stage - 1, st)
 
-    @staticmethod
-    def _input_gradients(mod: StageModule, saved: Stashed, outs: list[torch.Tensor],
+    def _input_gradients(self, mod: StageModule, saved: Stashed, outs: list[torch.Tensor],
                          out_grads: list[torch.Tensor] | None) -> Kept:
         """Gradients into the inputs' ``.grad`` (torch.distributed.pipelining's input-only backward, which keeps
         the graph from the weights' branch points on); where no input needs one, everything is left to W."""
@@ -161,7 +163,8 @@ class StageCompute:
         if not inputs:
             return Kept(None, outs, out_grads, saved.saved)
         outs = [t.clone() if t._is_view() else t for t in outs]  # torch detaches the outputs in place: no views
-        _, groups = stage_backward_input(outs, out_grads, inputs, mod.parameters())
+        assert self.split is not None
+        _, groups = self.split.stage_backward_input(outs, out_grads, inputs, mod.parameters())
         return Kept(groups, [], None, saved.saved)
 
     def _output_grads(self, a: Action, st: StepState, mod: StageModule) -> list[tuple[torch.Tensor, ...]]:
@@ -205,3 +208,10 @@ def _fill(grads: tuple[torch.Tensor, ...], specs: Sequence[TensorSpec]) -> list[
     it = iter(grads)
     return [next(it) if s.requires_grad else None for s in specs]
 
+
+def _split_backward() -> Any:
+    """torch.distributed.pipelining's input-only and weight-only backward (``stage_backward_input`` and
+    ``stage_backward_weight``)."""
+    from torch.distributed.pipelining import _backward
+
+    return _backward
