@@ -58,7 +58,7 @@ def test_local_run_listens_on_loopback_only(tmp_path):
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, TAG: tag}
     env.pop("GLOO_SOCKET_IFNAME", None)
     cmd = [sys.executable, "scripts/prof_steps_ray.py", "--model", "bert-tiny", "--corpus", "synthetic", "--stages",
-           "2", "--micro-batches", "2", "--seq-len", "16", "--steps", "40", "--no-progress",
+           "2", "--micro-batches", "2", "--seq-len", "16", "--steps", "16", "--no-progress",
            "--out", str(tmp_path / "metrics.jsonl")]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sampler = Sampler(proc.pid, (ray_tmp, f"{TAG}={tag}"))
