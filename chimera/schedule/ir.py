@@ -205,7 +205,9 @@ class Schedule:
         return [g * self.workers + w for g in range(self.data_parallel) for w in local]
 
     def compute_only(self) -> Schedule:
-        """The same schedule with only F and B actions."""
+        """The same schedule with only F and B actions (itself where it has no other)."""
+        if not self.lowered and all(a.kind.is_compute for row in self.actions for a in row):
+            return self
         acts = tuple(tuple(a for a in row if a.kind.is_compute) for row in self.actions)
         return _replace(self, actions=acts, lowered=False)
 
