@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import ge
+from typing import Any
 
 from chimera.offload.policy import Offload
 from chimera.profile import Profile
@@ -123,30 +125,43 @@ class MemoryWalk:
         evicted = {(a.pipe, a.stage) for a in row if SPECS[a.kind].memory.resident is False}  # start off device
         resident = tuple(int(ps not in evicted) for ps in pairs)
         states: set[tuple[tuple[int, ...], ...]] = set()
-        effects = {kind: (spec.memory, activation_change(kind)) for kind, spec in SPECS.items()}
+        effects = {kind: _effect(kind) for kind in SPECS}
         for a in row:  # every kind by its row of the kinds table: its memory effect and activation change
-            m, change = effects[a.kind]
-            change *= a.count
             k = slot.get((a.pipe, a.stage))
             if k is None:
                 continue  # an action of no stage (the optimizer step)
+            change, g, flat, res, peak, recompute, out, inn, pack = effects[a.kind]
+            change *= a.count
             if change > 0:
                 live[k] += change
-            grads = put(grads, k, 1) if m.grads else grads
-            flats = put(flats, k, 1) if m.flat else flats
-            resident = put(resident, k, 1) if m.resident else resident
-            if m.peak:
+            if g and not grads[k]:
+                grads = put(grads, k, 1)
+            if flat and not flats[k]:
+                flats = put(flats, k, 1)
+            if res and not resident[k]:
+                resident = put(resident, k, 1)
+            if peak:
                 c = at(k, a.count)
-                t = m.transient
-                states.add((tuple(live), grads, c if "recompute" in t else zero, c if "out" in t else zero,
-                            c if "in" in t else zero, flats, resident, at(k, 1) if "pack" in t else zero))
+                states.add((tuple(live), grads, c if recompute else zero, c if out else zero, c if inn else zero,
+                            flats, resident, at(k, 1) if pack else zero))
             if change < 0:
                 live[k] += change
-            grads = put(grads, k, 0) if m.grads is False else grads
-            resident = put(resident, k, 0) if m.resident is False else resident
+            if g is False and grads[k]:
+                grads = put(grads, k, 0)
+            if res is False and resident[k]:
+                resident = put(resident, k, 0)
         if not schedule.lowered:  # the step's end: every stage's gradient sum started (a lowered list says when)
             states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident, zero))
         return held, groups, _maximal(states)
+
+
+def _effect(kind: Kind) -> tuple[Any, ...]:
+    """What an action of ``kind`` does to memory, flat: activation change per unit, gradients, flat buffer,
+    residency (True: on, False: off, None: no change), whether it can be the peak, its transients."""
+    m = SPECS[kind].memory
+    t = m.transient
+    return (activation_change(kind), m.grads, m.flat, m.resident, m.peak, "recompute" in t, "out" in t, "in" in t,
+            "pack" in t)
 
 
 def _maximal(states: set[tuple[tuple[int, ...], ...]]) -> list[tuple[tuple[int, ...], ...]]:
@@ -159,7 +174,7 @@ def _maximal(states: set[tuple[tuple[int, ...], ...]]) -> list[tuple[tuple[int, 
     for rest, lives in groups.items():
         front: list[tuple[int, ...]] = []
         for live in sorted(lives, key=sum, reverse=True):
-            if not any(all(a >= b for a, b in zip(f, live)) for f in front):
+            if not any(all(map(ge, f, live)) for f in front):
                 front.append(live)
         keep += [(live, *rest) for live in front]
     return keep

@@ -220,16 +220,26 @@ def _least_over(sizes: list[int], peak: Callable[[list[int]], int], load: Callab
     return min(fits, key=load) if fits else min(priced)[1]
 
 
-def layer_work(profile: Profile, unit: int, recompute: bool) -> list[float]:
+def layer_work(profile: Profile, unit: int, recompute: bool) -> tuple[float, ...]:
     """Seconds of every layer's forward and backward (and recomputation) at ``unit`` samples."""
-    per_layer = [profile.stage_seconds([i], unit) for i in range(len(profile.layers))]
-    return [t["forward"] + t["backward"] + (t["recompute"] if recompute else 0.0) for t in per_layer]
+    key = (id(profile), unit, recompute)
+    hit = _WORK.get(key)
+    if hit is None or hit[0] is not profile:  # the entry keeps its profile alive: no other can take its id
+        per_layer = [profile.stage_seconds([i], unit) for i in range(len(profile.layers))]
+        hit = _WORK[key] = (profile, tuple(t["forward"] + t["backward"] + (t["recompute"] if recompute else 0.0)
+                                           for t in per_layer))
+        while len(_WORK) > 64:
+            del _WORK[next(iter(_WORK))]
+    return hit[1]
+
+
+_WORK: dict[tuple[int, int, bool], tuple[Profile, tuple[float, ...]]] = {}
 
 
 def balanced(profile: Profile, schedule: Schedule, unit: int, recompute: bool) -> list[int]:
     """The load-balanced partition (steps 1 and 2 of the search) of ``profile``'s layers over ``schedule``'s stages:
     what the planner's first pass prices and its refinement starts from. Reads only the schedule's placement."""
-    return list(_balanced(tuple(layer_work(profile, unit, recompute)), schedule.stages, _holders(schedule)))
+    return list(_balanced(layer_work(profile, unit, recompute), schedule.stages, _holders(schedule)))
 
 
 def _holders(schedule: Schedule) -> tuple[tuple[int, ...], ...]:

@@ -21,6 +21,7 @@ their memory limits; :func:`chimera_split` is Chimera's bidirectional order with
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -34,7 +35,6 @@ _I, _W = PARTS[Kind.B]
 
 
 EQUAL = Costs(fwd=1, bwd=1, wgrad=1)  # F = I = W: what orders are built with unless told
-_SKIP_IDLE = True  # False: ask every free worker at every event (the reference the tests compare with)
 
 
 class _Worker:
@@ -43,6 +43,8 @@ class _Worker:
         self.groups: dict[tuple[Kind, str, int], deque[tuple[int, Action]]] = {}
         for i, a in enumerate(seq):
             self.groups.setdefault((a.kind, a.pipe, a.stage), deque()).append((i, a))
+        self.heads = sorted((q[0][0], key) for key, q in self.groups.items())  # each group's next, in that order
+        self.wires: dict[tuple[Kind, str, int], _Wiring] = {}
         self.cap = cap
         self.defer = defer
         self.out: list[Action] = []
@@ -50,6 +52,17 @@ class _Worker:
         self.live = 0  # micro-batches forwarded, not yet through I
         self.held = 0  # micro-batches forwarded, not yet through W
         self.free_at = 0
+
+    def take(self, at: int) -> Action:
+        """The next action of the group at ``heads[at]``, removed (the group's next one takes its place)."""
+        _, key = self.heads.pop(at)
+        q = self.groups[key]
+        _, a = q.popleft()
+        if q:
+            bisect.insort(self.heads, (q[0][0], key))
+        else:
+            del self.groups[key]
+        return a
 
 
 class _Run:
@@ -85,17 +98,6 @@ class _Run:
             hit = self._wiring[key] = (needs, inbound, outbound, self._ends(a.kind, a.pipe, s))
         return hit
 
-    def ready(self, a: Action, w: int, t: Any) -> bool:
-        if a.kind is _W:
-            return True
-        needs, inbound, _, _ = self.wiring(a, w)
-        for m in range(a.microbatch, a.microbatch + a.count):
-            for ends in needs:
-                end = ends.get(m)
-                if end is None or end > t:
-                    return False
-        return inbound is None or self.channels[inbound[0]][0] == (inbound[1], a.pipe, inbound[2], a.microbatch)
-
     def start(self, a: Action, w: int, end: Any) -> None:
         if a.kind is _W:
             ends = self._ends(a.kind, a.pipe, a.stage)
@@ -124,22 +126,15 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
     events: list[Any] = [0]
     t: Any = 0
     cost: dict[tuple[Kind, int, int], Any] = {}  # costs.of, per (kind, stage, count): asked once per action
-    # A free worker that found nothing to start finds nothing again until an action it may wait for ends: its own,
-    # or one at a neighbouring stage of a pipe (the only actions a main action waits for, and the only messages
-    # that reach it). It is asked again only then (``dirty``); skipping it otherwise changes no choice.
-    dirty = set(range(len(workers)))
-    wake: dict[Any, set[int]] = {}  # end time -> workers an action ending then may let start something
     while events:
         t = heapq.heappop(events)
         while events and events[0] == t:
             heapq.heappop(events)
-        dirty.update(wake.pop(t, ()))
         for i, w in enumerate(workers):
-            if w.free_at > t or (_SKIP_IDLE and i not in dirty):
+            if w.free_at > t:
                 continue
             a = _pick(w, i, t, run, in_order)
             if a is None:
-                dirty.discard(i)
                 continue
             key = (a.kind, a.stage, a.count)
             if key not in cost:
@@ -148,8 +143,6 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
             run.start(a, i, w.free_at)
             w.out.append(a)
             heapq.heappush(events, w.free_at)
-            woken = {i, *(placement[(a.pipe, s)] for s in (a.stage - 1, a.stage + 1) if 0 <= s < stages)}
-            (dirty if w.free_at == t else wake.setdefault(w.free_at, set())).update(woken)
     stuck = [i for i, w in enumerate(workers) if w.groups or w.pending_w]
     if stuck:
         raise ScheduleConfigError(f"the zero-bubble list scheduler found no order for workers {stuck} within the "
@@ -159,26 +152,23 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
 
 def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool) -> Action | None:
     """The action ``w`` starts at ``t`` (or None), removed from what it still has to run."""
-    groups = w.groups
-    if in_order:  # one stage's actions keep micro-batch order; the heads in the preferred order
-        heads = [min(groups, key=lambda k: groups[k][0][0])] if groups else []
-    else:
-        heads = sorted(groups, key=lambda k: groups[k][0][0])
     best = None
-    for key in heads:
-        a = groups[key][0][1]
-        if not run.ready(a, me, t):
+    groups, wires = w.groups, w.wires
+    for at, (_, key) in enumerate(w.heads[:1] if in_order else w.heads):  # the preferred order's first of each
+        a = groups[key][0][1]                                            # group (one stage keeps micro-batch order)
+        if a.kind is not _I and (best is not None or (w.cap is not None and w.live + a.count > w.cap) or (
+                w.defer is not None and w.held + a.count > w.defer)):
+            continue  # only the first forward that may start, and only if no I may
+        wire = wires.get(key)
+        if wire is None:
+            wire = wires[key] = run.wiring(a, me)
+        if not _ready(a, wire, run.channels, t):
             continue
+        best = at
         if a.kind is _I:
-            best = key
             break
-        if best is None and (w.cap is None or w.live + a.count <= w.cap) and (
-                w.defer is None or w.held + a.count <= w.defer):
-            best = key
     if best is not None:
-        _, a = groups[best].popleft()
-        if not groups[best]:
-            del groups[best]
+        a = w.take(best)
         if a.kind is Kind.F:
             w.live += a.count
             w.held += a.count
@@ -187,6 +177,18 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool) -> Action | No
             w.pending_w.append(Action(_W, a.pipe, a.stage, a.microbatch, a.count))
         return a
     return _run_w(w) if w.pending_w else None  # its I has finished: the worker was busy with it until now
+
+
+def _ready(a: Action, wire: _Wiring, channels: dict[tuple[int, int, str], deque[Any]], t: Any) -> bool:
+    """Whether main action ``a`` (of the group wired so) can start at ``t``: what it consumes was made by then,
+    and its input is the next message of its channel."""
+    needs, inbound, _, _ = wire
+    for m in range(a.microbatch, a.microbatch + a.count):
+        for ends in needs:
+            end = ends.get(m)
+            if end is None or end > t:
+                return False
+    return inbound is None or channels[inbound[0]][0] == (inbound[1], a.pipe, inbound[2], a.microbatch)
 
 
 def _run_w(w: _Worker) -> Action:

@@ -186,7 +186,14 @@ class Schedule:
 
     def stages_of(self, worker: int) -> list[tuple[str, int]]:
         """The (pipe, stage) replicas that ``worker`` holds."""
-        return [ps for ps, w in self.placement.items() if w == worker]
+        return list(self._held.get(worker, ()))
+
+    @cached_property
+    def _held(self) -> dict[int, tuple[tuple[str, int], ...]]:
+        out: dict[int, list[tuple[str, int]]] = {}
+        for ps, w in self.placement.items():
+            out.setdefault(w, []).append(ps)
+        return {w: tuple(v) for w, v in out.items()}
 
     @cached_property
     def _replicas(self) -> dict[int, int]:
