@@ -8,6 +8,8 @@ import pytest
 
 from chimera.plan import plan
 from chimera.plan.bound import lower_bound
+from chimera.plan.memory import memory_ceiling
+from chimera.plan.partition import balanced, layers_of
 from chimera.plan.search import _frame, _key, candidates
 from chimera.profile import Link
 from chimera.profile.synthetic import layer, profile
@@ -44,17 +46,24 @@ def test_the_pruned_plan_is_the_reference_plan(limit):
 @pytest.mark.parametrize("limit", [None, 40_000_000])
 def test_the_bound_is_below_every_estimate(limit):
     """Every first-pass estimate of a candidate (as it is, recomputing, offloaded, per-stage offload) is at least
-    its lower bound: what makes skipping a candidate whose bound is past the kept estimates safe."""
+    its lower bound: what makes skipping a candidate whose bound is past the kept estimates safe. The memory
+    ceiling the bound picks its form by is at least the peak of the candidate as it is."""
     p = _profile(offload=limit is not None)
     ref = plan(p, 8, global_batch=32, memory_limit=limit, refine=0, prune=False)  # no refinement: first-pass figures
     frames: dict = {}
-    bounds = {(_key(c), c.unit): lower_bound(p, _frame(c, frames), c.unit, not (c.split_backward or c.spec.split_only), limit,
-                                   "adamw", True)
-              for c, why in candidates(len(p.layers), 8, 32, sorted(SIZES), frames) if why is None}
+    bound, ceiling = {}, {}
+    for c, why in candidates(len(p.layers), 8, 32, sorted(SIZES), frames):
+        if why is None:
+            f, k = _frame(c, frames), (_key(c), c.unit)
+            bound[k] = lower_bound(p, f, c.unit, not (c.split_backward or c.spec.split_only), limit, "adamw", True)
+            ceiling[k] = memory_ceiling(p, f, layers_of(balanced(p, f, c.unit, False)), c.unit, "adamw")
+    as_is = [e for e in ref.ranked if not e.candidate.recompute and not e.candidate.offload.optimizer]
+    assert as_is or limit is not None  # under the limit none fits as it is
+    assert all(ceiling[(_key(e.candidate), e.candidate.unit)] >= e.peak_memory for e in as_is)
     assert len(ref.ranked) > 20 and any(e.candidate.recompute for e in ref.ranked) == (limit is not None)
     ratios = []
     for e in ref.ranked:
-        b = bounds[(_key(e.candidate), e.candidate.unit)]
+        b = bound[(_key(e.candidate), e.candidate.unit)]
         assert b <= e.step_s, (e.candidate.label, e.candidate.flags(), b, e.step_s)
         ratios.append(b / e.step_s)
     assert max(ratios) > 0.7, max(ratios)  # the bound is not trivially low

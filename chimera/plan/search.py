@@ -9,8 +9,9 @@ runtime cannot run, or whose best partition does not fit the memory limit, is ke
 not fit is tried again recomputing, then with the optimizer state, the gradients and the weights in host memory
 (offload, its swaps priced with the profile's host <-> device copy), and one that fits only with offload also
 with the least offload per stage that fits (the heaviest stages offloaded first). The others
-are partitioned (``chimera.plan.partition``) and simulated with the profile's costs; a candidate whose lower
-bound (its busiest worker's compute) cannot beat the current top list is not simulated::
+are partitioned (``chimera.plan.partition``) and simulated with the profile's costs, in the order of their lower
+bound (:mod:`chimera.plan.bound`); those whose bound is past the ``top + refine`` fastest estimates are not (the
+top list stays that of ``prune=False``, which estimates every candidate)::
 
     result = plan(profile, workers=8, global_batch=64, memory_limit=80 * GiB)
     result.ranked[0].candidate.flags()       # {"schedule": "chimera", "stages": 4, ...}
