@@ -110,8 +110,9 @@ def _auto_profiled(cfg: TrainConfig, model: Model, budget: Budget, threads: int,
              "micro_batches": s.micro_batches, "recompute": t.recompute}
     if cfg.memory.offload != "auto":
         fixed["offload"] = cfg.memory.offload
+    # every candidate priced, none pruned: the plain schedules are compared with the fastest (a dozen candidates)
     result = plan(prof, world, s.micro_batches * s.micro_batch_size * s.data_parallel, budget.bytes, t.optimizer,
-                  exchange=t.device != "cuda", fixed=fixed)
+                  exchange=t.device != "cuda", fixed=fixed, prune=False)
     ranked = [e for e in result.ranked if e.candidate.spec.auto]
     if not ranked:
         reasons = sorted({e.reason for e in result.infeasible if e.reason})[:3]

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import ge
+from typing import Any
 
 from chimera.offload.policy import Offload
 from chimera.profile import Profile
@@ -123,30 +125,43 @@ class MemoryWalk:
         evicted = {(a.pipe, a.stage) for a in row if SPECS[a.kind].memory.resident is False}  # start off device
         resident = tuple(int(ps not in evicted) for ps in pairs)
         states: set[tuple[tuple[int, ...], ...]] = set()
-        effects = {kind: (spec.memory, activation_change(kind)) for kind, spec in SPECS.items()}
+        effects = {kind: _effect(kind) for kind in SPECS}
         for a in row:  # every kind by its row of the kinds table: its memory effect and activation change
-            m, change = effects[a.kind]
-            change *= a.count
             k = slot.get((a.pipe, a.stage))
             if k is None:
                 continue  # an action of no stage (the optimizer step)
+            change, g, flat, res, peak, recompute, out, inn, pack = effects[a.kind]
+            change *= a.count
             if change > 0:
                 live[k] += change
-            grads = put(grads, k, 1) if m.grads else grads
-            flats = put(flats, k, 1) if m.flat else flats
-            resident = put(resident, k, 1) if m.resident else resident
-            if m.peak:
+            if g and not grads[k]:
+                grads = put(grads, k, 1)
+            if flat and not flats[k]:
+                flats = put(flats, k, 1)
+            if res and not resident[k]:
+                resident = put(resident, k, 1)
+            if peak:
                 c = at(k, a.count)
-                t = m.transient
-                states.add((tuple(live), grads, c if "recompute" in t else zero, c if "out" in t else zero,
-                            c if "in" in t else zero, flats, resident, at(k, 1) if "pack" in t else zero))
+                states.add((tuple(live), grads, c if recompute else zero, c if out else zero, c if inn else zero,
+                            flats, resident, at(k, 1) if pack else zero))
             if change < 0:
                 live[k] += change
-            grads = put(grads, k, 0) if m.grads is False else grads
-            resident = put(resident, k, 0) if m.resident is False else resident
+            if g is False and grads[k]:
+                grads = put(grads, k, 0)
+            if res is False and resident[k]:
+                resident = put(resident, k, 0)
         if not schedule.lowered:  # the step's end: every stage's gradient sum started (a lowered list says when)
             states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident, zero))
         return held, groups, _maximal(states)
+
+
+def _effect(kind: Kind) -> tuple[Any, ...]:
+    """What an action of ``kind`` does to memory, flat: activation change per unit, gradients, flat buffer,
+    residency (True: on, False: off, None: no change), whether it can be the peak, its transients."""
+    m = SPECS[kind].memory
+    t = m.transient
+    return (activation_change(kind), m.grads, m.flat, m.resident, m.peak, "recompute" in t, "out" in t, "in" in t,
+            "pack" in t)
 
 
 def _maximal(states: set[tuple[tuple[int, ...], ...]]) -> list[tuple[tuple[int, ...], ...]]:
@@ -159,7 +174,7 @@ def _maximal(states: set[tuple[tuple[int, ...], ...]]) -> list[tuple[tuple[int, 
     for rest, lives in groups.items():
         front: list[tuple[int, ...]] = []
         for live in sorted(lives, key=sum, reverse=True):
-            if not any(all(a >= b for a, b in zip(f, live)) for f in front):
+            if not any(all(map(ge, f, live)) for f in front):
                 front.append(live)
         keep += [(live, *rest) for live in front]
     return keep
@@ -178,6 +193,27 @@ def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[S
     stages = _stages(profile, stage_layers, unit, optimizer, recompute, off)
     walk = walk or MemoryWalk(schedule)
     return [_worker(held, groups, states, stages, exchange, off) for held, groups, states in walk.workers]
+
+
+def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
+                   optimizer: str, exchange: bool = True) -> int:
+    """Bytes no worker exceeds in any order of ``frame``'s actions, compute-only or lowered, without recomputation
+    or offload (its placement and units are read, not its actions: a frame will do): :func:`worker_memory`'s
+    pricing of one state holding every unit of every stage it holds stashed, every gradient, every gradient sum's
+    buffer and every unit's messages at once. Every state an order passes through has each count at most that,
+    and the pricing only grows with each count, so the peak is at most this."""
+    stages = _stages(profile, stage_layers, unit, optimizer, False)
+    most = max((activation_change(k) for k in SPECS), default=1)
+    out = 0
+    for w in range(frame.workers):
+        pairs = frame.stages_of(w)
+        held = [s for _, s in pairs]
+        groups = [frame.stage_group_size(s) for s in held]
+        units = tuple(frame.pipe_microbatches(p) * most for p, _ in pairs)
+        ones, zero = (1,) * len(held), (0,) * len(held)
+        state = (units, ones, zero, units, units, tuple(int(g > 1) for g in groups), ones, zero)
+        out = max(out, _worker(held, groups, [state], stages, exchange, Offload()).total)
+    return out
 
 
 def _worker(held: list[int], groups: list[int], states: set[tuple[tuple[int, ...], ...]], stages: list[_Stage],

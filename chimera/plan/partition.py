@@ -35,6 +35,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from chimera.offload.lowering import lower
@@ -49,6 +50,11 @@ def min_max_split(counts: Sequence[float], stages: int) -> list[int]:
     """Contiguous split of ``counts`` into ``stages`` non-empty parts minimising the maximum part sum (part sizes).
 
     The ``"params"`` method splits parameter counts with it; the planner splits measured compute."""
+    return list(_min_max_split(tuple(counts), stages))
+
+
+@lru_cache(maxsize=1024)
+def _min_max_split(counts: tuple[float, ...], stages: int) -> tuple[int, ...]:
     n = len(counts)
     prefix = [0]
     for c in counts:
@@ -69,7 +75,7 @@ def min_max_split(counts: Sequence[float], stages: int) -> list[int]:
         j = arg[k][i]
         sizes.append(i - j)
         i = j
-    return sizes[::-1]
+    return tuple(sizes[::-1])
 
 
 def layers_of(sizes: Sequence[int]) -> list[list[int]]:
@@ -214,6 +220,49 @@ def _least_over(sizes: list[int], peak: Callable[[list[int]], int], load: Callab
     return min(fits, key=load) if fits else min(priced)[1]
 
 
+def layer_work(profile: Profile, unit: int, recompute: bool) -> tuple[float, ...]:
+    """Seconds of every layer's forward and backward (and recomputation) at ``unit`` samples."""
+    key = (id(profile), unit, recompute)
+    hit = _WORK.get(key)
+    if hit is None or hit[0] is not profile:  # the entry keeps its profile alive: no other can take its id
+        per_layer = [profile.stage_seconds([i], unit) for i in range(len(profile.layers))]
+        hit = _WORK[key] = (profile, tuple(t["forward"] + t["backward"] + (t["recompute"] if recompute else 0.0)
+                                           for t in per_layer))
+        while len(_WORK) > 64:
+            del _WORK[next(iter(_WORK))]
+    return hit[1]
+
+
+_WORK: dict[tuple[int, int, bool], tuple[Profile, tuple[float, ...]]] = {}
+
+
+def balanced(profile: Profile, schedule: Schedule, unit: int, recompute: bool) -> list[int]:
+    """The load-balanced partition (steps 1 and 2 of the search) of ``profile``'s layers over ``schedule``'s stages:
+    what the planner's first pass prices and its refinement starts from. Reads only the schedule's placement."""
+    return list(_balanced(layer_work(profile, unit, recompute), schedule.stages, _holders(schedule)))
+
+
+def _holders(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    """Per worker, the stages it holds."""
+    return tuple(tuple(s for _, s in schedule.stages_of(w)) for w in range(schedule.workers))
+
+
+def _load(work: Sequence[float], d: int, holders: tuple[tuple[int, ...], ...]
+          ) -> Callable[[list[int]], tuple[float, ...]]:
+    """The largest worker load of a partition (stage sizes) of layers of ``work`` seconds over ``d`` stages."""
+    def load(sizes: list[int]) -> tuple[float, ...]:
+        starts = [sum(sizes[:s]) for s in range(d)]
+        stage = [sum(work[starts[s]:starts[s] + sizes[s]]) for s in range(d)]
+        return (max(sum(stage[s] for s in held) for held in holders),)
+
+    return load
+
+
+@lru_cache(maxsize=1024)
+def _balanced(work: tuple[float, ...], d: int, holders: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    return tuple(_climb(min_max_split(work, d), _load(work, d, holders), limit=4 * d))
+
+
 def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: bool, optimizer: str,
                    memory_limit: int | None = None, exchange: bool = True, rounds: int = 8,
                    simulated_up_to: int = 16, exact: bool = True, offload: Offload | None = None) -> PartitionResult:
@@ -226,20 +275,12 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     lowered schedule (messages as actions, gradient sums, optimizer); otherwise, for a quick first ranking, the
     compute-only schedule (messages as delays) plus the largest stage's gradient sum, which the step's end waits
     for. ``offload``: the schedule is lowered with its swaps (always: they decide memory) and priced with them."""
-    n_layers, d = len(profile.layers), schedule.stages
-    per_layer = [profile.stage_seconds([i], unit) for i in range(n_layers)]
-    work = [t["forward"] + t["backward"] + (t["recompute"] if recompute else 0.0) for t in per_layer]
-    holders = [[s for _, s in schedule.stages_of(w)] for w in range(schedule.workers)]
+    d = schedule.stages
     compute_only = schedule.compute_only()
     offloaded = offload is not None and offload.optimizer
     exact = exact or offloaded
     timed = lower(compute_only, offload) if exact else compute_only  # prepared once, simulated per partition
     walk = MemoryWalk(timed)
-
-    def load(sizes: list[int]) -> tuple[float, ...]:
-        starts = [sum(sizes[:s]) for s in range(d)]
-        stage = [sum(work[starts[s]:starts[s] + sizes[s]]) for s in range(d)]
-        return (max(sum(stage[s] for s in held) for held in holders),)
 
     def evaluate(sizes: list[int]) -> PartitionResult:
         layers = layers_of(sizes)
@@ -259,7 +300,7 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
         over = max(0, r.peak_memory - memory_limit) if memory_limit is not None else 0
         return (float(over), r.step_s)
 
-    sizes = _climb(min_max_split(work, d), load, limit=4 * d)
+    sizes = balanced(profile, schedule, unit, recompute)
     if d <= simulated_up_to:
         start, sizes = sizes, _climb(sizes, simulated, limit=rounds)
         if simulated(sizes)[0] > 0:  # stuck over the limit: the fastest path may pass partitions over it to one under
@@ -269,5 +310,6 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
                 return max(m.total for m in worker_memory(profile, timed, layers_of(s), unit, optimizer, recompute,
                                                           exchange, walk, offload))
 
+            load = _load(layer_work(profile, unit, recompute), d, _holders(schedule))
             sizes = _climb(_least_over(sizes, peak, load, memory_limit), simulated, limit=rounds)
     return cache[tuple(sizes)] if tuple(sizes) in cache else evaluate(sizes)

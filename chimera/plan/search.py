@@ -9,8 +9,9 @@ runtime cannot run, or whose best partition does not fit the memory limit, is ke
 not fit is tried again recomputing, then with the optimizer state, the gradients and the weights in host memory
 (offload, its swaps priced with the profile's host <-> device copy), and one that fits only with offload also
 with the least offload per stage that fits (the heaviest stages offloaded first). The others
-are partitioned (``chimera.plan.partition``) and simulated with the profile's costs; a candidate whose lower
-bound (its busiest worker's compute) cannot beat the current top list is not simulated::
+are partitioned (``chimera.plan.partition``) and simulated with the profile's costs, in the order of their lower
+bound (:mod:`chimera.plan.bound`); those whose bound is past the ``top + refine`` fastest estimates are not (the
+top list stays that of ``prune=False``, which estimates every candidate)::
 
     result = plan(profile, workers=8, global_batch=64, memory_limit=80 * GiB)
     result.ranked[0].candidate.flags()       # {"schedule": "chimera", "stages": 4, ...}
@@ -18,18 +19,21 @@ bound (its busiest worker's compute) cannot beat the current top list is not sim
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import heapq
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from chimera.offload.policy import EVERYTHING, Offload, ladder
+from chimera.plan.bound import lower_bound
 from chimera.plan.fit import fit_offload
 from chimera.plan.partition import PartitionResult, layers_of, plan_partition
 from chimera.profile import Profile
 from chimera.schedule import Schedule, ScheduleConfigError, build_schedule
-from chimera.schedule.registry import ScheduleSpec
+from chimera.schedule.registry import ScheduleSpec, cached_build, frame_schedule, fresh_builds
 from chimera.schedule.registry import candidates as registry_candidates
 from chimera.schedule.registry import get as schedule_spec
 
@@ -125,11 +129,11 @@ def _divisors(k: int) -> list[int]:
 
 
 def candidates(num_layers: int, workers: int, global_batch: int, sizes: Sequence[int],
-               built: dict[tuple[Any, ...], Schedule] | None = None, stages: int | None = None
+               frames: dict[tuple[Any, ...], Schedule] | None = None, stages: int | None = None
                ) -> Iterator[tuple[Candidate, str | None]]:
     """Every (candidate, reason it cannot run or None) without recomputation, at depth ``stages`` if given;
-    ``built`` keeps the schedules."""
-    built = {} if built is None else built
+    ``frames`` keeps their frames (:func:`chimera.schedule.registry.frame_schedule`)."""
+    frames = {} if frames is None else frames
     for d in [stages] if stages else _divisors(workers):
         w = workers // d
         for b in sizes:
@@ -139,26 +143,29 @@ def candidates(num_layers: int, workers: int, global_batch: int, sizes: Sequence
             # one stage: every schedule is the same
             for name, mode, chunks, split in schedules(d, n) if d > 1 else [("1f1b", "direct", 2, False)]:
                 c = Candidate(name, mode, d, w, b, n, False, chunks, split_backward=split)
-                yield c, _why_not(c, num_layers, sizes, built)
+                yield c, _why_not(c, num_layers, sizes, frames)
 
 
-def _schedule(c: Candidate, built: dict[tuple[Any, ...], Schedule]) -> Schedule:
-    key = (c.schedule, c.stages, c.micro_batches, c.mode, c.chunks, c.data_parallel, c.split_backward)
-    if key not in built:
-        built[key] = build_schedule(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode,
-                                    data_parallel=c.data_parallel, split_backward=c.split_backward)
-    return built[key]
+def _key(c: Candidate) -> tuple[Any, ...]:
+    return (c.schedule, c.stages, c.micro_batches, c.mode, c.chunks, c.data_parallel, c.split_backward)
 
 
-def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int], built: dict[tuple[Any, ...], Schedule]
+def _frame(c: Candidate, frames: dict[tuple[Any, ...], Schedule]) -> Schedule:
+    key = _key(c)
+    if key not in frames:
+        frames[key] = frame_schedule(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode,
+                                     data_parallel=c.data_parallel, split_backward=c.split_backward)
+    return frames[key]
+
+
+def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int], frames: dict[tuple[Any, ...], Schedule]
              ) -> str | None:
     if c.parts > num_layers:
         return f"{c.parts} stages > {num_layers} layers"
-    if not c.split_backward:  # cheap to build; the list-ordered (split) ones are built when evaluated
-        try:
-            _schedule(c, built)
-        except ScheduleConfigError as e:
-            return str(e)
+    try:  # what the builder refuses; its order is paid for when the candidate is evaluated
+        _frame(c, frames)
+    except ScheduleConfigError as e:
+        return str(e)
     if c.mode == "halving" and c.micro_batch_size % 2:
         return f"halving splits micro-batches in two: B = {c.micro_batch_size} is odd"
     if c.mode == "halving" and c.unit not in sizes:
@@ -168,15 +175,21 @@ def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int], built: dict[tu
 
 def plan(profile: Profile, workers: int, global_batch: int | None = None, memory_limit: int | None = None,
          optimizer: str = "adamw", top: int = 10, exchange: bool | None = None, refine: int = 3,
-         stages: int | None = None, fixed: Mapping[str, Any] | None = None) -> PlanResult:
+         stages: int | None = None, fixed: Mapping[str, Any] | None = None, prune: bool = True) -> PlanResult:
     """Rank the configurations of ``profile``'s model on ``workers`` workers (module docstring).
 
     Every candidate is first estimated with its load-balanced partition (the compute-only schedule plus the
     largest gradient sum); the best ``refine`` then get their partition refined and their step simulated on the
     lowered schedule (``chimera.plan.partition``), and the list is ranked again (``Evaluated.exact`` tells the
-    two apart). ``stages`` fixes D (and so W = workers / D); ``fixed``: training flags (``Candidate.flags``
-    names) every candidate must have, e.g. ``{"micro_batches": 8, "schedule": "chimera"}``. ``exchange``: whether
-    a pair of replicas sums gradients by exchange (gloo; default: unless the profile was taken on a GPU)."""
+    two apart); equal steps keep the order of enumeration. ``stages`` fixes D (and so W = workers / D);
+    ``fixed``: training flags (``Candidate.flags`` names) every candidate must have, e.g.
+    ``{"micro_batches": 8, "schedule": "chimera"}``. ``exchange``: whether a pair of replicas sums gradients by
+    exchange (gloo; default: unless the profile was taken on a GPU).
+
+    ``prune``: candidates are estimated in the order of their lower bound (:mod:`chimera.plan.bound`), and the rest
+    skipped (``PlanResult.pruned``) once a bound exceeds the ``top + refine``-th fastest estimate: the first
+    ``top`` of ``ranked`` are then those of the reference path, ``prune=False``, which estimates every candidate
+    and builds every schedule afresh (slow at scale; what the tests compare with)."""
     fixed = dict(fixed or {})
     if exchange is None:
         exchange = not profile.device.startswith("cuda")
@@ -188,45 +201,80 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     result = PlanResult([], [], inputs={"workers": workers, "global_batch": g, "memory_limit": memory_limit,
                                         "optimizer": optimizer})
     pending = []
-    work: dict[tuple[int, bool], tuple[float, float]] = {}
-    built: dict[tuple[Any, ...], Schedule] = {}
-    for c, why in candidates(len(profile.layers), workers, g, sizes, built, stages):
+    frames: dict[tuple[Any, ...], Schedule] = {}
+    for i, (c, why) in enumerate(candidates(len(profile.layers), workers, g, sizes, frames, stages)):
         if not _matches(c, fixed, ("recompute", "offload")):
             continue
         if why:
             result.infeasible.append(Evaluated(c, reason=why))
         else:
-            pending.append((_lower_bound(profile, c, work), c))
-    pending.sort(key=lambda x: x[0])
-    best: list[float] = []  # max-heap (negated) of the top step times so far
-    for bound, c in pending:
-        if len(best) >= top and bound >= -best[0]:
-            result.pruned += 1
-            continue
+            bound = lower_bound(profile, _frame(c, frames), c.unit, not (c.split_backward or c.spec.split_only),
+                                memory_limit, optimizer, exchange) if prune else 0.0
+            pending.append((bound, i, c))
+    pending.sort(key=lambda x: x[:2])
+    pricer = _Pricer(profile, memory_limit, optimizer, exchange, prune)
+    with _collector_paused(), contextlib.nullcontext() if prune else fresh_builds():
+        order = _estimate(pricer, pending, result, fixed, top + refine)
+        _refine(pricer, result, order, refine)
+    return result
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while planning (as it was after): the planner makes millions of small
+    acyclic objects (actions), over which the collector's passes took a fifth of its time and freed nothing."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _estimate(pricer: _Pricer, pending: Sequence[tuple[float, int, Candidate]], result: PlanResult,
+              fixed: Mapping[str, Any], keep: int) -> dict[Candidate, tuple[int, int]]:
+    """The first pass over ``pending`` (bound, index, candidate), fewest bound first, into ``result``; returns
+    every ranked candidate's place in the enumeration (what breaks ties). With ``prune``, stops at the first
+    bound above the ``keep``-th fastest estimate so far: every later one's bound is as high."""
+    best: list[float] = []  # max-heap (negated) of the ``keep`` fastest estimates so far
+    order: dict[Candidate, tuple[int, int]] = {}
+    for k, (bound, i, c) in enumerate(pending):
+        if pricer.prune and len(best) >= keep and bound > -best[0]:
+            result.pruned = len(pending) - k
+            break
         try:
-            sched = _schedule(c, built)
+            sched = pricer.schedule(c)
         except ScheduleConfigError as e:
             result.infeasible.append(Evaluated(c, reason=str(e)))
             continue
-        ev = _first_fit(profile, c, sched, memory_limit, optimizer, exchange, result.infeasible, fixed)
+        ev = _first_fit(pricer, c, sched, result.infeasible, fixed)
         if ev.reason is not None:
             result.infeasible.append(ev)
             continue
-        for fit in [ev, *_per_stage(profile, ev, sched, memory_limit, optimizer, exchange)]:
+        for j, fit in enumerate([ev, *_per_stage(pricer, ev, sched)]):
             if not _matches(fit.candidate, fixed, ()):
                 result.infeasible.append(dataclasses.replace(fit, reason="not what the fixed flags ask for"))
                 continue
             result.ranked.append(fit)
+            order[fit.candidate] = (i, j)
             heapq.heappush(best, -fit.step_s)  # type: ignore[operator]
-            if len(best) > top:
+            if len(best) > keep:
                 heapq.heappop(best)
-    result.ranked.sort(key=lambda e: e.step_s)  # type: ignore[arg-type,return-value]
-    head = [_evaluate(profile, e.candidate, _schedule(e.candidate, built), memory_limit, optimizer, exchange,
-                      rounds=4) for e in result.ranked[:refine]]
+    return order
+
+
+def _refine(pricer: _Pricer, result: PlanResult, order: Mapping[Candidate, tuple[int, int]], refine: int) -> None:
+    """The ``refine`` fastest estimates again with their partition searched on the lowered schedule; ranks."""
+
+    def rank(e: Evaluated) -> tuple[float, tuple[int, int]]:
+        return e.step_s, order[e.candidate]  # type: ignore[return-value]
+
+    result.ranked.sort(key=rank)
+    head = [pricer.evaluate(e.candidate, pricer.schedule(e.candidate), rounds=4) for e in result.ranked[:refine]]
     result.ranked[:len(head)] = [h for h in head if h.reason is None]
     result.infeasible += [h for h in head if h.reason is not None]
-    result.ranked.sort(key=lambda e: e.step_s)  # type: ignore[arg-type,return-value]
-    return result
+    result.ranked.sort(key=rank)
 
 
 def _matches(c: Candidate, fixed: Mapping[str, Any], skip: tuple[str, ...]) -> bool:
@@ -235,22 +283,20 @@ def _matches(c: Candidate, fixed: Mapping[str, Any], skip: tuple[str, ...]) -> b
     return all(flags[k] == v for k, v in fixed.items() if k not in skip and k in flags)
 
 
-def _first_fit(profile: Profile, c: Candidate, sched: Schedule, memory_limit: int | None, optimizer: str,
-               exchange: bool, tried: list[Evaluated], fixed: Mapping[str, Any]) -> Evaluated:
+def _first_fit(pricer: _Pricer, c: Candidate, sched: Schedule, tried: list[Evaluated], fixed: Mapping[str, Any]
+               ) -> Evaluated:
     """``c`` estimated as it is; if it does not fit, recomputing, then with ever more of its state in host memory
     (offload); the configurations that did not fit go to ``tried``. Returns the first that fits, else the last
     tried (with its reason)."""
-    ev = _evaluate(profile, c, sched, memory_limit, optimizer, exchange, rounds=0, exact=False)
+    ev = pricer.evaluate(c, sched, rounds=0, exact=False)
     if ev.reason is not None and "memory" in ev.reason and not c.recompute:
         tried.append(ev)
-        ev = _evaluate(profile, dataclasses.replace(c, recompute=True), sched, memory_limit, optimizer,
-                       exchange, rounds=0, exact=False)
-    for off in _offloads(c, max(1, len(profile.layers) // c.parts), fixed):
+        ev = pricer.evaluate(dataclasses.replace(c, recompute=True), sched, rounds=0, exact=False)
+    for off in _offloads(c, max(1, len(pricer.profile.layers) // c.parts), fixed):
         if ev.reason is None or "memory" not in ev.reason:
             break
         tried.append(ev)
-        ev = _evaluate(profile, dataclasses.replace(ev.candidate, offload=off), sched, memory_limit, optimizer,
-                       exchange, rounds=0, exact=False)
+        ev = pricer.evaluate(dataclasses.replace(ev.candidate, offload=off), sched, rounds=0, exact=False)
     return ev
 
 
@@ -266,50 +312,73 @@ def _offloads(c: Candidate, layers_per_stage: int, fixed: Mapping[str, Any]) -> 
     return out
 
 
-def _lower_bound(profile: Profile, c: Candidate, cache: dict[tuple[int, bool], tuple[float, float]]) -> float:
-    """Seconds no partition can beat: the busiest worker computes at least its share of the whole model's work,
-    and it cannot start before its first input crossed the stages ahead of it (the fill): D-1 of the D stages'
-    forwards in GPipe/1F1B, (D-1)/v of them interleaved over v chunks, D/2-1 in Chimera, whose other pipe
-    feeds the far end at once; a forward over two units (doubling, halving) fills with both."""
-    key = (c.unit, c.recompute)
-    if key not in cache:
-        t = profile.stage_seconds(range(len(profile.layers)), c.unit)
-        cache[key] = (t["forward"] + t["backward"] + (t["recompute"] if c.recompute else 0.0), t["forward"])
-    work, forward = cache[key]
-    units = c.micro_batches * (2 if c.mode == "halving" else 1)
-    return units * work / c.stages + c.spec.fill(c.stages, c.options) * forward
+@dataclass
+class _Pricer:
+    """What the evaluations of one plan share: the profile and limits, the schedules built, and the partitions
+    priced so far by schedule content (Chimera's halving is doubling's order on half units, priced alike:
+    the same actions and placement, units whose costs the scale multiplies and divides exactly when it is a power
+    of two). ``prune``: the optimised path (schedules from the build cache, equal contents priced once); else the
+    reference (every schedule built afresh, every candidate priced)."""
+
+    profile: Profile
+    memory_limit: int | None
+    optimizer: str
+    exchange: bool
+    prune: bool
+    built: dict[tuple[Any, ...], Schedule] = field(default_factory=dict)
+    priced: dict[tuple[Any, ...], list[tuple[Any, PartitionResult]]] = field(default_factory=dict)
+
+    def schedule(self, c: Candidate) -> Schedule:
+        """``c``'s schedule, built once per plan."""
+        key = _key(c)
+        if key not in self.built:
+            build = cached_build if self.prune else build_schedule
+            self.built[key] = build(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode,
+                                    data_parallel=c.data_parallel, split_backward=c.split_backward)
+        return self.built[key]
+
+    def partition(self, c: Candidate, sched: Schedule, rounds: int, exact: bool) -> PartitionResult:
+        """:func:`plan_partition` of ``c`` on ``sched``; once per content of the schedule with ``prune``."""
+        scale = sched.microbatch_scale
+        binary = scale.numerator & (scale.numerator - 1) == 0 and scale.denominator & (scale.denominator - 1) == 0
+        key = (tuple(sched.placement.items()), sched.data_parallel, sched.microbatches, None if binary else scale,
+               tuple(map(len, sched.actions)), c.unit, c.recompute, c.offload, rounds, exact)
+        same = self.priced.setdefault(key, []) if self.prune else []
+        for actions, part in same:
+            if actions == sched.actions:  # rows shared by builds of one order compare by identity
+                return part
+        part = plan_partition(self.profile, sched, c.unit, c.recompute, self.optimizer, self.memory_limit,
+                              self.exchange, rounds=rounds, exact=exact, offload=c.offload)
+        same.append((sched.actions, part))
+        return part
+
+    def evaluate(self, c: Candidate, sched: Schedule, rounds: int = 8, exact: bool = True) -> Evaluated:
+        """``c`` priced on ``sched``, or why it does not fit."""
+        part = self.partition(c, sched, rounds, exact)
+        peak, limit = part.peak_memory, self.memory_limit
+        if limit is not None and peak > limit:
+            return Evaluated(c, peak_memory=peak, partition=part.sizes,
+                             reason=f"needs {peak / 2**30:.2f} GiB on a worker, more than the {limit / 2**30:.2f} "
+                                    "GiB memory limit")
+        samples = c.micro_batch_size * c.micro_batches * c.data_parallel
+        return Evaluated(c, part.step_s, samples / part.step_s if part.step_s else None, part.bubble, peak,
+                         part.sizes, exact=exact)
 
 
-def _evaluate(profile: Profile, c: Candidate, sched: Schedule, memory_limit: int | None, optimizer: str,
-              exchange: bool, rounds: int = 8, exact: bool = True) -> Evaluated:
-    part: PartitionResult = plan_partition(profile, sched, c.unit, c.recompute, optimizer, memory_limit, exchange,
-                                           rounds=rounds, exact=exact, offload=c.offload)
-    peak = part.peak_memory
-    if memory_limit is not None and peak > memory_limit:
-        return Evaluated(c, peak_memory=peak, partition=part.sizes,
-                         reason=f"needs {peak / 2**30:.2f} GiB on a worker, more than the {memory_limit / 2**30:.2f} "
-                                "GiB memory limit")
-    samples = c.micro_batch_size * c.micro_batches * c.data_parallel
-    return Evaluated(c, part.step_s, samples / part.step_s if part.step_s else None, part.bubble, peak, part.sizes,
-                     exact=exact)
-
-
-def _per_stage(profile: Profile, ev: Evaluated, sched: Schedule, memory_limit: int | None, optimizer: str,
-               exchange: bool) -> list[Evaluated]:
+def _per_stage(pricer: _Pricer, ev: Evaluated, sched: Schedule) -> list[Evaluated]:
     """A candidate that fits only with offload, again with the least offload per stage that fits on its partition
     (heaviest stages offloaded first; :func:`fit_offload`), when that differs from offloading every stage; [] if
     it does not, or does not fit once its partition is searched again."""
-    c = ev.candidate
-    if memory_limit is None or not c.offload.optimizer or not c.offload.uniform_level or ev.partition is None:
+    c, limit = ev.candidate, pricer.memory_limit
+    if limit is None or not c.offload.optimizer or not c.offload.uniform_level or ev.partition is None:
         return []
     first = c.offload.stages[0]
     top = first.level
     upto = [lv for lv in ladder() if lv.amount <= top.amount]
-    off, _, _ = fit_offload(profile, sched.compute_only(), layers_of(ev.partition), c.unit, optimizer, c.recompute,
-                            memory_limit, [Offload.uniform(lv, first.prefetch, first.pack) for lv in upto],
-                            exchange=exchange, per_stage=True)
+    off, _, _ = fit_offload(pricer.profile, sched.compute_only(), layers_of(ev.partition), c.unit, pricer.optimizer,
+                            c.recompute, limit, [Offload.uniform(lv, first.prefetch, first.pack) for lv in upto],
+                            exchange=pricer.exchange, per_stage=True)
     if off.text == c.offload.text:
         return []
-    mixed = _evaluate(profile, dataclasses.replace(c, offload=off), sched, memory_limit, optimizer,
-                      exchange, rounds=0, exact=False)
+    mixed = pricer.evaluate(dataclasses.replace(c, offload=off), sched, rounds=0, exact=False)
     return [mixed] if mixed.reason is None else []

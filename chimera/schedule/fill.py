@@ -21,6 +21,7 @@ their memory limits; :func:`chimera_split` is Chimera's bidirectional order with
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,8 @@ class _Worker:
         self.groups: dict[tuple[Kind, str, int], deque[tuple[int, Action]]] = {}
         for i, a in enumerate(seq):
             self.groups.setdefault((a.kind, a.pipe, a.stage), deque()).append((i, a))
+        self.heads = sorted((q[0][0], key) for key, q in self.groups.items())  # each group's next, in that order
+        self.wires: dict[tuple[Kind, str, int], _Wiring] = {}
         self.cap = cap
         self.defer = defer
         self.out: list[Action] = []
@@ -49,6 +52,17 @@ class _Worker:
         self.live = 0  # micro-batches forwarded, not yet through I
         self.held = 0  # micro-batches forwarded, not yet through W
         self.free_at = 0
+
+    def take(self, at: int) -> Action:
+        """The next action of the group at ``heads[at]``, removed (the group's next one takes its place)."""
+        _, key = self.heads.pop(at)
+        q = self.groups[key]
+        _, a = q.popleft()
+        if q:
+            bisect.insort(self.heads, (q[0][0], key))
+        else:
+            del self.groups[key]
+        return a
 
 
 class _Run:
@@ -59,46 +73,48 @@ class _Run:
     def __init__(self, stages: int, placement: Mapping[tuple[str, int], int]) -> None:
         self.stages = stages
         self.place = placement
-        self.done: dict[tuple[Kind, str, int, int], Any] = {}
+        self.done: dict[tuple[Kind, str, int], dict[int, Any]] = {}  # (kind, pipe, stage) -> micro-batch -> end
         self.channels: dict[tuple[int, int, str], deque[tuple[Kind, str, int, int]]] = {}
+        self._wiring: dict[tuple[Kind, str, int, int], _Wiring] = {}
 
-    def _made(self, key: tuple[Kind, str, int, int], t: Any) -> bool:
-        end = self.done.get(key)
-        return end is not None and end <= t
+    def _ends(self, kind: Kind, pipe: str, stage: int) -> dict[int, Any]:
+        return self.done.setdefault((kind, pipe, stage), {})
 
-    def _remote(self, a: Action, w: int) -> tuple[tuple[int, int, str], tuple[Kind, str, int, int]] | None:
-        """The channel and message ``a`` receives from another worker, if any."""
-        src = a.stage - 1 if a.kind is Kind.F else a.stage + 1
-        if not 0 <= src < self.stages or self.place[(a.pipe, src)] == w:
-            return None
-        return (self.place[(a.pipe, src)], w, a.pipe), (Kind.F if a.kind is Kind.F else _I, a.pipe, src, a.microbatch)
-
-    def ready(self, a: Action, w: int, t: Any) -> bool:
-        if a.kind is _W:
-            return True
-        made = self._made
-        for m in range(a.microbatch, a.microbatch + a.count):  # what it consumes: the previous stage's forward,
-            if a.kind is Kind.F:                                 # or its own and the next stage's I
-                if a.stage > 0 and not made((Kind.F, a.pipe, a.stage - 1, m), t):
-                    return False
-            elif not made((Kind.F, a.pipe, a.stage, m), t) or (
-                    a.stage < self.stages - 1 and not made((_I, a.pipe, a.stage + 1, m), t)):
-                return False
-        remote = self._remote(a, w)
-        return remote is None or self.channels[remote[0]][0] == remote[1]
+    def wiring(self, a: Action, w: int) -> _Wiring:
+        """What main actions of ``a``'s kind, pipe and stage on worker ``w`` wait for and send (fixed per group)."""
+        key = (a.kind, a.pipe, a.stage, w)
+        hit = self._wiring.get(key)
+        if hit is None:
+            s, f = a.stage, a.kind is Kind.F
+            # what it consumes: the previous stage's forward, or its own and the next stage's I
+            needs = [self._ends(Kind.F, a.pipe, s - 1)] if f and s > 0 else [] if f else [
+                self._ends(Kind.F, a.pipe, s), *([self._ends(_I, a.pipe, s + 1)] if s < self.stages - 1 else [])]
+            src, dst = (s - 1, s + 1) if f else (s + 1, s - 1)
+            inbound = outbound = None
+            if 0 <= src < self.stages and self.place[(a.pipe, src)] != w:  # its input comes from another worker
+                inbound = ((self.place[(a.pipe, src)], w, a.pipe), Kind.F if f else _I, src)
+            if 0 <= dst < self.stages and self.place[(a.pipe, dst)] != w:
+                outbound = (w, self.place[(a.pipe, dst)], a.pipe)
+            hit = self._wiring[key] = (needs, inbound, outbound, self._ends(a.kind, a.pipe, s))
+        return hit
 
     def start(self, a: Action, w: int, end: Any) -> None:
-        for m in a.microbatches:
-            self.done[(a.kind, a.pipe, a.stage, m)] = end
         if a.kind is _W:
+            ends = self._ends(a.kind, a.pipe, a.stage)
+            for m in range(a.microbatch, a.microbatch + a.count):
+                ends[m] = end
             return
-        remote = self._remote(a, w)
-        if remote is not None:
-            self.channels[remote[0]].popleft()
-        dst = a.stage + 1 if a.kind is Kind.F else a.stage - 1
-        if 0 <= dst < self.stages and self.place[(a.pipe, dst)] != w:
-            self.channels.setdefault((w, self.place[(a.pipe, dst)], a.pipe), deque()).append(
-                (a.kind, a.pipe, a.stage, a.microbatch))
+        _, inbound, outbound, ends = self.wiring(a, w)
+        for m in range(a.microbatch, a.microbatch + a.count):
+            ends[m] = end
+        if inbound is not None:
+            self.channels[inbound[0]].popleft()
+        if outbound is not None:
+            self.channels.setdefault(outbound, deque()).append((a.kind, a.pipe, a.stage, a.microbatch))
+
+
+_Wiring = tuple[list[dict[int, Any]], tuple[tuple[int, int, str], Kind, int] | None, tuple[int, int, str] | None,
+                dict[int, Any]]
 
 
 def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: Sequence[Sequence[Action]],
@@ -136,22 +152,23 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
 
 def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool) -> Action | None:
     """The action ``w`` starts at ``t`` (or None), removed from what it still has to run."""
-    heads = sorted((q[0][0], key) for key, q in w.groups.items())  # one stage's actions keep micro-batch order
     best = None
-    for _, key in heads[:1] if in_order else heads:
-        a = w.groups[key][0][1]
-        if not run.ready(a, me, t):
+    groups, wires = w.groups, w.wires
+    for at, (_, key) in enumerate(w.heads[:1] if in_order else w.heads):  # the preferred order's first of each
+        a = groups[key][0][1]                                            # group (one stage keeps micro-batch order)
+        if a.kind is not _I and (best is not None or (w.cap is not None and w.live + a.count > w.cap) or (
+                w.defer is not None and w.held + a.count > w.defer)):
+            continue  # only the first forward that may start, and only if no I may
+        wire = wires.get(key)
+        if wire is None:
+            wire = wires[key] = run.wiring(a, me)
+        if not _ready(a, wire, run.channels, t):
             continue
+        best = at
         if a.kind is _I:
-            best = key
             break
-        if best is None and (w.cap is None or w.live + a.count <= w.cap) and (
-                w.defer is None or w.held + a.count <= w.defer):
-            best = key
     if best is not None:
-        _, a = w.groups[best].popleft()
-        if not w.groups[best]:
-            del w.groups[best]
+        a = w.take(best)
         if a.kind is Kind.F:
             w.live += a.count
             w.held += a.count
@@ -160,6 +177,18 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool) -> Action | No
             w.pending_w.append(Action(_W, a.pipe, a.stage, a.microbatch, a.count))
         return a
     return _run_w(w) if w.pending_w else None  # its I has finished: the worker was busy with it until now
+
+
+def _ready(a: Action, wire: _Wiring, channels: dict[tuple[int, int, str], deque[Any]], t: Any) -> bool:
+    """Whether main action ``a`` (of the group wired so) can start at ``t``: what it consumes was made by then,
+    and its input is the next message of its channel."""
+    needs, inbound, _, _ = wire
+    for m in range(a.microbatch, a.microbatch + a.count):
+        for ends in needs:
+            end = ends.get(m)
+            if end is None or end > t:
+                return False
+    return inbound is None or channels[inbound[0]][0] == (inbound[1], a.pipe, inbound[2], a.microbatch)
 
 
 def _run_w(w: _Worker) -> Action:

@@ -19,8 +19,20 @@ from fractions import Fraction
 from typing import Any
 
 from chimera.schedule.fill import EQUAL, chimera_split, list_schedule, zero_bubble
-from chimera.schedule.ir import DOWN, DOWN2, UP, UP2, Action, B, F, Kind, Schedule, ScheduleConfigError
-from chimera.schedule.registry import ScheduleSpec, register
+from chimera.schedule.ir import (
+    DOWN,
+    DOWN2,
+    UP,
+    UP2,
+    Action,
+    B,
+    F,
+    Kind,
+    Schedule,
+    ScheduleConfigError,
+    _replace,
+)
+from chimera.schedule.registry import ScheduleSpec, cached_build, register
 from chimera.schedule.simulate import Costs
 
 
@@ -34,6 +46,16 @@ def _check_common(stages: int, microbatches: int) -> None:
 def _single(name: str, stages: int, n: int, rows: list[list[Action]]) -> Schedule:
     placement = {(DOWN, s): s for s in range(stages)}
     return Schedule(stages=stages, microbatches=n, placement=placement, actions=rows, name=name)
+
+
+def _unordered(name: str) -> Any:
+    """The frame (``ScheduleSpec.frame``) of a one-pipe schedule of D stages: stage s on worker s."""
+
+    def frame(stages: int, microbatches: int, **options: Any) -> Schedule:
+        _check_common(stages, microbatches)
+        return _single(name, stages, microbatches, [[] for _ in range(stages)])
+
+    return frame
 
 
 def gpipe(stages: int, microbatches: int, reverse_backward: bool = False) -> Schedule:
@@ -96,10 +118,21 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int = 2) -> Schedul
             fk, bk = fk + 1, bk + 1
         row += [bwd(k, w) for k in range(bk, total)]
         rows.append(row)
-    placement = {(DOWN, c * d + w): w for c in range(v) for w in range(d)}
-    return Schedule(
-        stages=d * v, microbatches=n, placement=placement, actions=rows, name="interleaved"
-    )
+    return Schedule(stages=d * v, microbatches=n, placement=_interleaved_placement(d, v), actions=rows,
+                    name="interleaved")
+
+
+def _interleaved_placement(d: int, v: int) -> dict[tuple[str, int], int]:
+    return {(DOWN, c * d + w): w for c in range(v) for w in range(d)}
+
+
+def _interleaved_frame(stages: int, microbatches: int, chunks: int = 2) -> Schedule:
+    _check_common(stages, microbatches)
+    if chunks < 1:
+        raise ScheduleConfigError(f"--chunks (v, stages per worker) must be >= 1, got {chunks}")
+    return Schedule(stages=stages * chunks, microbatches=microbatches,
+                    placement=_interleaved_placement(stages, chunks), actions=[[] for _ in range(stages)],
+                    name="interleaved")
 
 
 def _chimera_rows(d: int, units: int, group: int) -> list[list[Action]]:
@@ -211,10 +244,16 @@ def bitpipe(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Sched
     why = _even_microbatches(stages, microbatches, {})
     if why:
         raise ScheduleConfigError(why)
-    d, parts = stages, 2 * stages
+    d = stages
+    return _list_ordered("bitpipe", microbatches, _bitpipe_placement(d), order_costs,
+                         (3 * d, 4 * d, 6 * d, 8 * d, None))
+
+
+def _bitpipe_placement(d: int) -> dict[tuple[str, int], int]:
+    parts = 2 * d
     placement = {(DOWN, s): s if s < d else parts - 1 - s for s in range(parts)}
     placement.update({(UP, s): d - 1 - s if s < d else s - d for s in range(parts)})
-    return _list_ordered("bitpipe", microbatches, placement, order_costs, (3 * d, 4 * d, 6 * d, 8 * d, None))
+    return placement
 
 
 def chimera4(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedule:
@@ -231,11 +270,31 @@ def chimera4(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Sche
     why = _four_pipes(stages, microbatches, {})
     if why:
         raise ScheduleConfigError(why)
-    d, h = stages, stages // 2
+    d = stages
+    return _list_ordered("chimera4", microbatches, _chimera4_placement(d), order_costs, (d, 2 * d, 4 * d, None))
+
+
+def _chimera4_placement(d: int) -> dict[tuple[str, int], int]:
+    h = d // 2
     placement: dict[tuple[str, int], int] = {}
     for s in range(d):
         placement.update({(DOWN, s): s, (UP, s): d - 1 - s, (DOWN2, s): (s + h) % d, (UP2, s): (d - 1 - s + h) % d})
-    return _list_ordered("chimera4", microbatches, placement, order_costs, (d, 2 * d, 4 * d, None))
+    return placement
+
+
+def _list_frame(name: str, placement: Any, accepts: Any) -> Any:
+    """The frame (``ScheduleSpec.frame``) of a list-ordered schedule: its placement for D, N micro-batches."""
+
+    def frame(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedule:
+        _check_common(stages, microbatches)
+        why = accepts(stages, microbatches, {})
+        if why:
+            raise ScheduleConfigError(why)
+        place = placement(stages)
+        return Schedule(stages=len(place) // len({p for p, _ in place}), microbatches=microbatches,
+                        placement=place, actions=[[] for _ in range(stages)], name=name)
+
+    return frame
 
 
 CHIMERA_MODES = ("direct", "doubling", "halving")
@@ -283,20 +342,30 @@ def chimera(stages: int, microbatches: int, mode: str = "direct", split_backward
     why = chimera_accepts(stages, microbatches, {"mode": mode})
     if why:
         raise ScheduleConfigError(why)
+    if mode == "halving":  # the order of doubling over the 2N halves (split: every action on one half, forwards
+        # too, so direct's), on units of half the samples; shared with that build (the planner prices both)
+        whole = cached_build("chimera", stages, 2 * microbatches, mode="direct" if split_backward else "doubling",
+                             split_backward=split_backward, order_costs=order_costs)
+        return _replace(whole, microbatch_scale=Fraction(1, 2))
     k = microbatches // stages
-    scale = Fraction(1)
-    if mode == "direct":
-        rows, units_n = _chimera_rows(stages, k, 1), microbatches
-    elif mode == "doubling":
-        rows, units_n = _chimera_rows(stages, k // 2, 2), microbatches
-    else:  # with split backward every action runs on one half, forwards too (chimera_split)
-        rows, units_n, scale = _chimera_rows(stages, 2 * k if split_backward else k, 1 if split_backward else 2), \
-            2 * microbatches, Fraction(1, 2)
+    rows = _chimera_rows(stages, k, 1) if mode == "direct" else _chimera_rows(stages, k // 2, 2)
+    s = _replace(_chimera_frame(stages, microbatches, mode), actions=rows)
+    return chimera_split(s, order_costs) if split_backward else s
+
+
+def _chimera_frame(stages: int, microbatches: int, mode: str = "direct", split_backward: bool = False,
+                   order_costs: Costs = EQUAL) -> Schedule:
+    """Chimera's placement, units (2N halves under halving) and scale; no actions (``ScheduleSpec.frame``)."""
+    _check_common(stages, microbatches)
+    why = chimera_accepts(stages, microbatches, {"mode": mode})
+    if why:
+        raise ScheduleConfigError(why)
     placement = {(DOWN, s): s for s in range(stages)}
     placement.update({(UP, s): stages - 1 - s for s in range(stages)})
-    s = Schedule(stages=stages, microbatches=units_n, placement=placement, actions=rows, microbatch_scale=scale,
-                 name="chimera")
-    return chimera_split(s, order_costs) if split_backward else s
+    halving = mode == "halving"
+    return Schedule(stages=stages, microbatches=2 * microbatches if halving else microbatches, placement=placement,
+                    actions=[[] for _ in range(stages)], microbatch_scale=Fraction(1, 2) if halving else Fraction(1),
+                    name="chimera")
 
 
 def _interleaved_accepts(stages: int, microbatches: int, options: dict[str, Any]) -> str | None:
@@ -329,21 +398,22 @@ def _four_way_fill(stages: int, options: dict[str, Any]) -> float:
 
 
 register(ScheduleSpec("gpipe", gpipe, "GPipe: all forwards, then all backwards", backward=(False,), auto=False,
-                      takes=("reverse_backward",)))
+                      takes=("reverse_backward",), frame=_unordered("gpipe")))
 register(ScheduleSpec("1f1b", one_f_one_b, "1F1B (PipeDream-flush): warm-up forwards, then one forward, one "
-                      "backward"))
+                      "backward", frame=_unordered("1f1b")))
 register(ScheduleSpec("interleaved", interleaved_1f1b, "interleaved 1F1B: --chunks stages per worker",
                       aliases=("interleaved1f1b",), accepts=_interleaved_accepts, chunks="option", takes=("chunks",),
-                      fill=lambda d, o: (d - 1) / (d * int(o.get("chunks", 2)))))
+                      fill=lambda d, o: (d - 1) / (d * int(o.get("chunks", 2))), frame=_interleaved_frame))
 register(ScheduleSpec("chimera", chimera, "Chimera: bidirectional pipelines, two stages per worker",
                       accepts=chimera_accepts, modes=CHIMERA_MODES, shares=2, fill=_chimera_fill,
-                      takes=("mode", "split_backward", "order_costs")))
+                      takes=("mode", "split_backward", "order_costs"), frame=_chimera_frame))
 register(ScheduleSpec("zb-h1", zb_h1, "ZB-H1: 1F1B with split backward, weight gradients in its bubbles",
-                      backward=(True,), takes=("order_costs",)))
+                      backward=(True,), takes=("order_costs",), frame=_unordered("zb-h1")))
 register(ScheduleSpec("zb-h2", zb_h2, "ZB-H2: forwards fill the warm-up too (about 2x 1F1B's activations)",
-                      backward=(True,), takes=("order_costs",)))
+                      backward=(True,), takes=("order_costs",), frame=_unordered("zb-h2")))
 register(ScheduleSpec("bitpipe", bitpipe, "BitPipe-style: two V-shaped pipelines of 2D half stages",
                       accepts=_even_microbatches, backward=(True,), chunks=2, shares=2, fill=_four_way_fill,
-                      takes=("order_costs",)))
+                      takes=("order_costs",), frame=_list_frame("bitpipe", _bitpipe_placement, _even_microbatches)))
 register(ScheduleSpec("chimera4", chimera4, "Chimera with four pipelines (4/D of the model per worker)",
-                      accepts=_four_pipes, backward=(True,), shares=4, fill=_four_way_fill, takes=("order_costs",)))
+                      accepts=_four_pipes, backward=(True,), shares=4, fill=_four_way_fill, takes=("order_costs",),
+                      frame=_list_frame("chimera4", _chimera4_placement, _four_pipes)))

@@ -186,7 +186,14 @@ class Schedule:
 
     def stages_of(self, worker: int) -> list[tuple[str, int]]:
         """The (pipe, stage) replicas that ``worker`` holds."""
-        return [ps for ps, w in self.placement.items() if w == worker]
+        return list(self._held.get(worker, ()))
+
+    @cached_property
+    def _held(self) -> dict[int, tuple[tuple[str, int], ...]]:
+        out: dict[int, list[tuple[str, int]]] = {}
+        for ps, w in self.placement.items():
+            out.setdefault(w, []).append(ps)
+        return {w: tuple(v) for w, v in out.items()}
 
     @cached_property
     def _replicas(self) -> dict[int, int]:
@@ -205,7 +212,9 @@ class Schedule:
         return [g * self.workers + w for g in range(self.data_parallel) for w in local]
 
     def compute_only(self) -> Schedule:
-        """The same schedule with only F and B actions."""
+        """The same schedule with only F and B actions (itself where it has no other)."""
+        if not self.lowered and all(a.kind.is_compute for row in self.actions for a in row):
+            return self
         acts = tuple(tuple(a for a in row if a.kind.is_compute) for row in self.actions)
         return _replace(self, actions=acts, lowered=False)
 

@@ -172,6 +172,8 @@ def split_backward(schedule: Schedule) -> Schedule:
     """
     if schedule.lowered:
         raise ValueError("split_backward works on compute-only schedules; call compute_only() first")
+    if not any(a.kind in PARTS for row in schedule.actions for a in row):
+        return schedule  # split already (a builder that orders the parts itself)
     rows = [[Action(k, a.pipe, a.stage, a.microbatch, a.count) for a in row for k in PARTS.get(a.kind, (a.kind,))]
             for row in schedule.actions]
     return _replace(schedule, actions=rows)

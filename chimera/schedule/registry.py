@@ -14,12 +14,16 @@ and returns a compute-only :class:`~chimera.schedule.ir.Schedule`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import inspect
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from chimera.schedule.ir import Schedule, ScheduleConfigError
+from chimera.schedule.ir import Schedule, ScheduleConfigError, _replace
 from chimera.schedule.lowering import split_backward as split_in_place
 
 
@@ -50,6 +54,10 @@ class ScheduleSpec:
             first input (the planner's lower bound), for (D, options).
         auto: ``--schedule auto`` considers it (the planner considers every schedule).
         takes: the builder's keyword options beyond (stages, microbatches).
+        frame: the schedule without its order, for the planner's bound (:func:`frame_schedule`): called like
+            ``build`` (with the same options), it returns a Schedule with the placement, micro-batch units and
+            scale the builder's has and no actions; None: the built schedule's own, its actions dropped (for a
+            builder whose order costs little).
     """
 
     name: str
@@ -64,6 +72,7 @@ class ScheduleSpec:
     fill: Callable[[int, dict[str, Any]], float] = _fill_one_pipe
     auto: bool = True
     takes: tuple[str, ...] = field(default=())
+    frame: Callable[..., Schedule] | None = None
 
     @property
     def split_only(self) -> bool:
@@ -147,6 +156,101 @@ def build_schedule(name: str, stages: int, microbatches: int, *, data_parallel: 
     schedule whose builder orders them itself takes it as an option; others get W right after I).
 
     Raises :class:`ScheduleConfigError` with a one-line message for unsupported parameters."""
+    spec, given = _checked(name, stages, microbatches, data_parallel, split_backward, options)
+    s = spec.build(stages, microbatches, **given)
+    if split_backward:  # a no-op where the builder split the backward itself
+        s = split_in_place(s)
+    return s.with_data_parallel(data_parallel)
+
+
+#: schedules :func:`cached_build` keeps, newest last, while their actions number at most ``_KEEP_ACTIONS``
+_BUILT: OrderedDict[tuple[Any, ...], Schedule] = OrderedDict()
+_KEEP_ACTIONS = 4_000_000
+_FRESH = False  # fresh_builds()
+
+
+def cached_build(name: str, stages: int, microbatches: int, *, data_parallel: int = 1,
+                 split_backward: bool = False, **options: Any) -> Schedule:
+    """:func:`build_schedule`, remembered: the same schedule, options and (D, N) give the same action lists without
+    building them again, as long as they are among the most recent builds (up to four million actions in all);
+    any data-parallel width shares them. Options count as the builder takes them (an option it ignores, or one
+    at its default, is the same as none); ``order_costs`` by every field, up to a common factor where none is a
+    float (an order made with costs c is the one made with k*c: every time scales by k)."""
+    if _FRESH:
+        return build_schedule(name, stages, microbatches, data_parallel=data_parallel, split_backward=split_backward,
+                              **options)
+    spec = get(name)
+    defaults = _defaults(spec)
+    given = {k: options.get(k, defaults.get(k)) for k in spec.takes if k != "split_backward"}
+    key = (spec.name, stages, microbatches, split_backward, tuple(sorted((k, _hashable(v)) for k, v in given.items())))
+    s = _BUILT.get(key)
+    if s is None:
+        s = _BUILT[key] = build_schedule(name, stages, microbatches, split_backward=split_backward, **options)
+        total = sum(sum(len(row) for row in b.actions) for b in _BUILT.values())
+        while len(_BUILT) > 1 and total > _KEEP_ACTIONS:
+            _, old = _BUILT.popitem(last=False)
+            total -= sum(len(row) for row in old.actions)
+    else:
+        _BUILT.move_to_end(key)
+    return s if data_parallel == 1 else s.with_data_parallel(data_parallel)
+
+
+def _defaults(spec: ScheduleSpec) -> dict[str, Any]:
+    """The builder's keyword defaults."""
+    return {k: p.default for k, p in inspect.signature(spec.build).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+@contextmanager
+def fresh_builds() -> Iterator[None]:
+    """Within it, :func:`cached_build` builds every schedule afresh (what the planner's reference path compares
+    the cache with)."""
+    global _FRESH
+    before, _FRESH = _FRESH, True
+    try:
+        yield
+    finally:
+        _FRESH = before
+
+
+def _hashable(value: Any) -> Any:
+    """A key for an option value; order costs (:class:`~chimera.schedule.simulate.Costs`) by every field, their
+    numbers up to a common factor where none is a float (:func:`cached_build`)."""
+    if not dataclasses.is_dataclass(value):
+        return value
+
+    def leaves(v: Any) -> list[Any]:
+        return [x for y in v for x in leaves(y)] if isinstance(v, list | tuple) else [v]
+
+    fields = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    numbers = [x for x in leaves(fields) if isinstance(x, int | float | Fraction) and not isinstance(x, bool)]
+    exact = not any(isinstance(x, float) for x in numbers)
+    unit = next((Fraction(x) for x in numbers if x), Fraction(1)) if exact else Fraction(1)
+
+    def norm(v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            return tuple(norm(x) for x in v)
+        if exact and isinstance(v, int | Fraction) and not isinstance(v, bool):
+            return Fraction(v) / unit
+        return v
+
+    return type(value).__name__, norm(fields)
+
+
+def frame_schedule(name: str, stages: int, microbatches: int, *, data_parallel: int = 1,
+                   split_backward: bool = False, **options: Any) -> Schedule:
+    """What :func:`build_schedule` would build, without ordering its actions: the same stages, placement,
+    micro-batch units, scale and data-parallel width, and one empty action list per worker (what the planner
+    bounds a candidate with before it pays for the order). Raises the same ScheduleConfigError where the
+    parameters are refused; not a schedule to run or simulate."""
+    spec, given = _checked(name, stages, microbatches, data_parallel, split_backward, options)
+    s = spec.frame(stages, microbatches, **given) if spec.frame else spec.build(stages, microbatches, **given)
+    return _replace(s, actions=[()] * s.workers, data_parallel=data_parallel)
+
+
+def _checked(name: str, stages: int, microbatches: int, data_parallel: int, split_backward: bool,
+             options: dict[str, Any]) -> tuple[ScheduleSpec, dict[str, Any]]:
+    """The spec and the builder's options, or ScheduleConfigError for parameters it refuses."""
     spec = get(name)
     if data_parallel < 1:
         raise ScheduleConfigError(f"--data-parallel (W) must be >= 1, got {data_parallel}")
@@ -160,10 +264,7 @@ def build_schedule(name: str, stages: int, microbatches: int, *, data_parallel: 
     why = spec.accepts(stages, microbatches, {**given, "split_backward": split_backward})
     if why:
         raise ScheduleConfigError(why)
-    s = spec.build(stages, microbatches, **given)
-    if split_backward:  # a no-op where the builder split the backward itself
-        s = split_in_place(s)
-    return s.with_data_parallel(data_parallel)
+    return spec, given
 
 
 def candidates(stages: int, microbatches: int, halving: bool = True, auto_only: bool = True

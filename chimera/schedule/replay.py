@@ -258,7 +258,7 @@ class _Build:
                 if made_by is None:
                     return self._block(w, track, m)
                 deps.append((made_by, delay))
-        fetched = self.fetched.get((w, a.pipe, a.stage))
+        fetched = self.fetched.get((w, a.pipe, a.stage)) if self.fetched else None
         if fetched is not None:  # the weights' copy ends before the compute starts
             deps.append((fetched, 1 + self.stages + a.stage))
         self.compute[w].append(i)

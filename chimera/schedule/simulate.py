@@ -30,7 +30,7 @@ from math import lcm
 from typing import Any
 
 from chimera.schedule.ir import Action, Schedule
-from chimera.schedule.kinds import ACTIVATION_MEMORY, SPECS, Address, Msg, Res, Role
+from chimera.schedule.kinds import ACTIVATION_MEMORY, SPECS, Address, Kind, Msg, Res, Role
 from chimera.schedule.kinds import message as message_of
 from chimera.schedule.replay import Replay
 from chimera.schedule.validate import ScheduleError, format_grid
@@ -290,3 +290,52 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     The first call on a ``Schedule`` object prepares it; later calls on the same object only time it.
     """
     return Simulator(schedule).run(costs)
+
+
+def worker_bounds(schedule: Schedule, costs: Costs, whole_backward: bool) -> list[tuple[Num, Num]]:
+    """Per worker, (reach, drain): times no simulation with ``costs`` of a schedule with ``schedule``'s placement,
+    units and scale can beat, whatever its order (its actions are not read: a frame will do,
+    :func:`chimera.schedule.registry.frame_schedule`), compute-only or lowered::
+
+        makespan >= reach + drain  (for every worker)
+
+    ``reach``: the earliest the worker's last compute action can end. Its first action waits for a first input
+    to cross the stages before it in the pipe (one forward of one unit each, and the message wherever the next stage
+    is on another worker; the least over the stages it holds), then it computes all of its units (each stage it
+    holds forward and backward for every unit of its pipe); sends, receives, gradient sums and swaps only add.
+    ``drain`` (``whole_backward``; else 0, as a weight-gradient part can end a worker's list): its last compute
+    action is the backward of a unit, which the backwards of the same unit at every earlier stage of that pipe
+    follow, on other workers (one on this worker would come later); the least such chain over the stages it holds.
+    """
+    scale = schedule.microbatch_scale
+    chains: dict[tuple[Kind, str], list[Num]] = {}
+
+    def chain(kind: Kind, pipe: str, stage: int) -> Num:
+        if (kind, pipe) not in chains:
+            chains[(kind, pipe)] = _chain(costs, schedule, pipe, kind, scale)
+        return chains[(kind, pipe)][stage]
+
+    out = []
+    for w in range(schedule.workers):
+        held = schedule.stages_of(w)
+        busy = sum(schedule.pipe_microbatches(p) * (costs.of(Action(Kind.F, p, s, 0), scale)
+                                                    + costs.of(Action(Kind.B, p, s, 0), scale)) for p, s in held)
+        start = min(chain(Kind.F, p, s) for p, s in held)
+        drain = min(chain(Kind.B, p, s) for p, s in held) if whole_backward else 0
+        out.append((start + busy, drain))
+    return out
+
+
+def _chain(costs: Costs, schedule: Schedule, pipe: str, kind: Kind, scale: Num) -> list[Num]:
+    """Per stage s of ``pipe``: one unit's ``kind`` (F or B) through stages 0 .. s-1, with the messages (the
+    activation stage j makes, the gradient stage j+1 makes) between stages on different workers."""
+    place = schedule.placement
+    res, by = (Res.ACT, 0) if kind is Kind.F else (Res.GRAD, 1)
+    total: Num = 0
+    out = [total]
+    for j in range(schedule.stages - 1):
+        total += costs.of(Action(kind, pipe, j, 0), scale)
+        if place[(pipe, j)] != place[(pipe, j + 1)]:
+            total += costs.message(Msg(res, pipe, j + by, 0))
+        out.append(total)
+    return out
