@@ -387,33 +387,23 @@ def _four_pipes(stages: int, microbatches: int, options: dict[str, Any]) -> str 
     return None
 
 
-def _chimera_fill(stages: int, options: dict[str, Any]) -> float:
-    """The other pipe feeds the far end at once: D/2 - 1 stages; a forward over two units fills with both."""
-    return max(0, stages // 2 - 1) / stages * (1 if options.get("mode", "direct") == "direct" else 2)
-
-
-def _four_way_fill(stages: int, options: dict[str, Any]) -> float:
-    """Pipes start at four workers: D/4 - 1 stages (BitPipe's half stages, more)."""
-    return max(0, stages // 4 - 1) / stages
-
-
 register(ScheduleSpec("gpipe", gpipe, "GPipe: all forwards, then all backwards", backward=(False,), auto=False,
                       takes=("reverse_backward",), frame=_unordered("gpipe")))
 register(ScheduleSpec("1f1b", one_f_one_b, "1F1B (PipeDream-flush): warm-up forwards, then one forward, one "
                       "backward", frame=_unordered("1f1b")))
 register(ScheduleSpec("interleaved", interleaved_1f1b, "interleaved 1F1B: --chunks stages per worker",
                       aliases=("interleaved1f1b",), accepts=_interleaved_accepts, chunks="option", takes=("chunks",),
-                      fill=lambda d, o: (d - 1) / (d * int(o.get("chunks", 2))), frame=_interleaved_frame))
+                      frame=_interleaved_frame))
 register(ScheduleSpec("chimera", chimera, "Chimera: bidirectional pipelines, two stages per worker",
-                      accepts=chimera_accepts, modes=CHIMERA_MODES, shares=2, fill=_chimera_fill,
+                      accepts=chimera_accepts, modes=CHIMERA_MODES, shares=2,
                       takes=("mode", "split_backward", "order_costs"), frame=_chimera_frame))
 register(ScheduleSpec("zb-h1", zb_h1, "ZB-H1: 1F1B with split backward, weight gradients in its bubbles",
                       backward=(True,), takes=("order_costs",), frame=_unordered("zb-h1")))
 register(ScheduleSpec("zb-h2", zb_h2, "ZB-H2: forwards fill the warm-up too (about 2x 1F1B's activations)",
                       backward=(True,), takes=("order_costs",), frame=_unordered("zb-h2")))
 register(ScheduleSpec("bitpipe", bitpipe, "BitPipe-style: two V-shaped pipelines of 2D half stages",
-                      accepts=_even_microbatches, backward=(True,), chunks=2, shares=2, fill=_four_way_fill,
+                      accepts=_even_microbatches, backward=(True,), chunks=2, shares=2,
                       takes=("order_costs",), frame=_list_frame("bitpipe", _bitpipe_placement, _even_microbatches)))
 register(ScheduleSpec("chimera4", chimera4, "Chimera with four pipelines (4/D of the model per worker)",
-                      accepts=_four_pipes, backward=(True,), shares=4, fill=_four_way_fill, takes=("order_costs",),
+                      accepts=_four_pipes, backward=(True,), shares=4, takes=("order_costs",),
                       frame=_list_frame("chimera4", _chimera4_placement, _four_pipes)))

@@ -31,10 +31,6 @@ def _any(stages: int, microbatches: int, options: dict[str, Any]) -> str | None:
     return None
 
 
-def _fill_one_pipe(stages: int, options: dict[str, Any]) -> float:
-    return (stages - 1) / stages
-
-
 @dataclass(frozen=True)
 class ScheduleSpec:
     """One schedule (module docstring).
@@ -50,8 +46,6 @@ class ScheduleSpec:
         modes: Chimera's N > D modes it takes (``mode`` option); empty: none.
         chunks: stages per worker and pipe: None (one), ``"option"`` (``--chunks``, default 2) or a fixed number.
         shares: the shares of the model (1/D each) a worker holds: weights, gradients and optimizer state.
-        fill: the fraction of one forward through the whole model that the worker starting last waits before its
-            first input (the planner's lower bound), for (D, options).
         auto: ``--schedule auto`` considers it (the planner considers every schedule).
         takes: the builder's keyword options beyond (stages, microbatches).
         frame: the schedule without its order, for the planner's bound (:func:`frame_schedule`): called like
@@ -69,7 +63,6 @@ class ScheduleSpec:
     modes: tuple[str, ...] = ()
     chunks: int | str | None = None
     shares: int | Fraction = 1
-    fill: Callable[[int, dict[str, Any]], float] = _fill_one_pipe
     auto: bool = True
     takes: tuple[str, ...] = field(default=())
     frame: Callable[..., Schedule] | None = None
