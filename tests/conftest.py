@@ -6,6 +6,7 @@ laptop) so that nothing is sent beyond this machine. It must be set before Ray i
 """
 
 import os
+import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -43,6 +44,17 @@ def alive_actors(ray) -> list[str]:
     from ray._private.state import actors
 
     return [a.get("ActorClassName", "") for a in actors().values() if a["State"] != "DEAD"]
+
+
+def wait_idle(ray, timeout_s: float = 60.0) -> None:
+    """Until every CPU of the session's cluster is free again: an ended job's resources are released
+    asynchronously, and a placement decided meanwhile sees fewer free slots on the node it used."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the session's cluster still busy after {timeout_s:g} s: "
+                               f"{ray.available_resources()} of {ray.cluster_resources()}")
+        time.sleep(0.2)
 
 
 def node_ids(ray) -> dict[str, str]:

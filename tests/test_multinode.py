@@ -16,7 +16,7 @@ from ray_launch.cluster import _check_reachable
 from ray_launch.config import LaunchConfig
 from ray_launch.driver import RayJob, RunError
 from ray_launch.placement import Node, PlacementError, assign
-from tests.conftest import node_ids
+from tests.conftest import node_ids, wait_idle
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +47,7 @@ def test_placement_policies_put_workers_on_expected_nodes(ray_cluster, policy, d
 
     ids = node_ids(ray)
     cfg = DELAY.with_flags(stages=2, micro_batches=2, data_parallel=data_parallel)
+    wait_idle(ray)  # the free slots the policy reads are every slot of each node
     with RayJob(compile_job(cfg), LaunchConfig(placement=policy), log=lambda m: None) as job:
         job.step(0)
         assert _nodes_of(job) == [ids[n] for n in expected]
