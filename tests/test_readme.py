@@ -11,6 +11,8 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,12 +66,13 @@ def written(code: str) -> list[str]:
     return [p for pair in WRITES.findall(code) for p in pair if p and "$" not in p]
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("ident,marker,reason,lang,code", BLOCKS, ids=[b[0] for b in BLOCKS])
-def test_readme_block_runs_as_written(ident, marker, reason, lang, code, tmp_path):
-    if marker:
-        pytest.skip(f"README block {ident}: {reason}")
-    repo = tmp_path / "chimera"
+#: README blocks run at once: most of a block's time is spent starting processes (Ray, its workers), which
+#: leaves room for a second block on CI's two cores (about 1.6x faster in all than one at a time)
+JOBS = int(os.environ.get("CHIMERA_README_JOBS", "2"))
+
+
+def _run_block(ident: str, lang: str, code: str, repo: Path) -> subprocess.CompletedProcess[str]:
+    """Block ``ident`` run from a fresh copy of the repository at ``repo``, as a user would (module docstring)."""
     _copy_repo(repo)
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(repo)}
@@ -79,7 +82,31 @@ def test_readme_block_runs_as_written(ident, marker, reason, lang, code, tmp_pat
         argv = [sys.executable, "readme_block.py"]
     else:
         argv = ["bash", "-e", "-o", "pipefail", "-c", code]
-    p = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=840)
+    return subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=840)
+
+
+@pytest.fixture(scope="module")
+def block_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """Every selected, unmarked block started in README order, ``JOBS`` at a time: ident -> (future, repo)."""
+    wanted = {item.callspec.params["ident"] for item in request.session.items
+              if item.originalname == "test_readme_block_runs_as_written"}
+    pool = ThreadPoolExecutor(max_workers=max(1, JOBS))
+    runs = {}
+    for ident, marker, _, lang, code in BLOCKS:
+        if ident in wanted and not marker:
+            repo = tmp_path_factory.mktemp(ident) / "chimera"
+            runs[ident] = (pool.submit(_run_block, ident, lang, code, repo), repo)
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("ident,marker,reason,lang,code", BLOCKS, ids=[b[0] for b in BLOCKS])
+def test_readme_block_runs_as_written(ident, marker, reason, lang, code, block_runs):
+    if marker:
+        pytest.skip(f"README block {ident}: {reason}")
+    future, repo = block_runs[ident]
+    p = future.result(timeout=880)
     out = p.stdout[-4000:] + "\n" + p.stderr[-4000:]
     assert p.returncode == 0, f"README block {ident} failed (exit {p.returncode}):\n{code}\n{out}"
     assert "Traceback (most recent call last)" not in p.stdout + p.stderr, out
