@@ -143,3 +143,20 @@ def test_measured_auto_keeps_plain_chimera_unless_clearly_faster():
     assert _trusted_best([close, plain]) is plain
     assert _trusted_best([far, plain]) is far
     assert _trusted_best([plain, close]) is plain
+
+
+@pytest.mark.timeout(300)
+def test_plan_auto_keeps_d_and_n_and_trains():
+    """``--plan auto -D 4 -N 8`` plans what was left open (schedule, B, the split...) with the model's profile and
+    keeps D = 4 and N = 8, says so, and the job trains (two steps, on the local runtime)."""
+    from chimera.runtime import run_local
+
+    cfg = TrainConfig.from_flags(model="bert-tiny", seq_len=16, corpus="synthetic", plan="auto", stages=4,
+                                 micro_batches=8, steps=2, threads=1)
+    job = compile_job(cfg)
+    assert (job.layout.stages, job.layout.micro_batches) == (4, 8)
+    (why,) = [d for d in job.decisions if d.startswith("plan auto:")]
+    assert "D=4" in why and "N=8" in why and "kept as given: micro_batches, stages" in why
+    assert job.prediction is not None and job.prediction.source == "plan auto"
+    losses = [m["loss"] for m in run_local(job).metrics]
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
