@@ -2,19 +2,11 @@
 simulator."""
 
 from chimera.schedule import generators as _generators  # noqa: F401  (registers the built-in schedules)
-from chimera.schedule.generators import (
-    CHIMERA_MODES,
-    bitpipe,
-    chimera,
-    chimera4,
-    gpipe,
-    interleaved_1f1b,
-    one_f_one_b,
-    zb_h1,
-    zb_h2,
-)
+from chimera.schedule import listed as _listed  # noqa: F401  (then the list-ordered ones)
+from chimera.schedule.generators import CHIMERA_MODES, chimera, gpipe, interleaved_1f1b, one_f_one_b
 from chimera.schedule.io import from_csv, from_json, to_csv, to_json
 from chimera.schedule.ir import DOWN, DOWN2, UP, UP2, Action, Kind, Schedule, ScheduleConfigError
+from chimera.schedule.listed import bitpipe, chimera4, zb_h1, zb_h2
 from chimera.schedule.lowering import add_grad_sync, add_optimizer_step, add_p2p, lower, split_backward
 from chimera.schedule.registry import SCHEDULES, ScheduleSpec, build_schedule, candidates, register
 from chimera.schedule.simulate import Costs, SimResult, simulate
