@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from chimera.checkpoint import CheckpointError, complete, resume_point
-from chimera.compile.memory import Budget, Shapes, budget_of, memory_verdict
+from chimera.compile.memory import Budget, BudgetError, Shapes, budget_of, memory_verdict
 from chimera.compile.model import VOCAB_SPLITS, Model, resolve_model, vocab_splittable
 from chimera.compile.names import check_names, choices
 from chimera.compile.partition import PartitionDecision, fixed_split, partition_pass
@@ -66,30 +65,23 @@ def compile_job(cfg: TrainConfig, chain: LayerChain | None = None, data: Any = N
     """The Job of a request (module docstring); ``log`` hears what takes a while (profiling)."""
     try:
         return _compile(cfg, chain, data, log)
-    except ConfigError as refusal:
-        if chain is not None or not vocab_splittable(cfg) or not _over_budget(refusal):
+    except BudgetError as refusal:
+        if chain is not None or not vocab_splittable(cfg):
             raise
         return _split_vocabulary(cfg, data, log, refusal)
 
 
-def _over_budget(e: ConfigError) -> bool:
-    return str(e).startswith("--memory-per-worker")
-
-
-def _split_vocabulary(cfg: TrainConfig, data: Any, log: Callable[[str], None] | None, refusal: ConfigError) -> Job:
+def _split_vocabulary(cfg: TrainConfig, data: Any, log: Callable[[str], None] | None, refusal: BudgetError) -> Job:
     """``--offload auto`` when no policy fits the model as it is: the fewest vocabulary shards (``VOCAB_SPLITS``)
     with which one fits; the same model (``seed_index``), so the run is the one asked for."""
     for k in VOCAB_SPLITS:
         try:
             job = _compile(cfg.with_flags(vocab_shards=k), None, data, log)
-        except ConfigError as e:
-            if _over_budget(e):
-                continue
-            raise
-        least = min((int(b) for b in re.findall(r": (\d+) bytes \(", str(refusal))), default=None)
+        except BudgetError:
+            continue
         why = (f"vocab auto: the token embedding and the LM head split by vocabulary into {k} layers each "
                f"(--vocab-shards {k}; the same model and initial weights): unsplit, no offload fits (the least needs "
-               f"{least} bytes, budget {job.memory_budget})")
+               f"{refusal.least} bytes, budget {job.memory_budget})")
         return dataclasses.replace(job, decisions=(why, *job.decisions))
     raise ConfigError(f"{refusal}\nsplit by vocabulary into up to {VOCAB_SPLITS[-1]} shards (--vocab-shards), it does "
                       "not fit either") from None

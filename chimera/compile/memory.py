@@ -20,13 +20,22 @@ from typing import Any
 from chimera.config import ConfigError, TrainConfig
 from chimera.offload.lowering import lower
 from chimera.offload.policy import EVERYTHING, Offload, ladder
-from chimera.plan.fit import available_memory, fit_offload
+from chimera.plan.fit import OverBudget, available_memory, fit_offload
 from chimera.plan.memory import WorkerMemory, worker_memory
 from chimera.profile import Profile
 from chimera.profile.shapes import shapes_profile
 from chimera.schedule import Schedule
 from chimera.schedule.best import Choice, exclude
 from chimera.util.units import GiB, parse_bytes
+
+
+class BudgetError(ConfigError):
+    """The configuration does not fit ``--memory-per-worker``; ``least``: the fewest bytes it needs at its peak
+    worker with any offload tried."""
+
+    def __init__(self, message: str, least: int) -> None:
+        super().__init__(message)
+        self.least = least
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,8 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
         try:
             off, lowered, mem = fit_offload(shapes.at(unit), schedule, stage_layers, unit, t.optimizer, t.recompute,
                                             budget.bytes, offloads, exchange=exchange, per_stage=m.offload == "auto")
+        except OverBudget as e:
+            raise BudgetError(f"--memory-per-worker {m.memory_per_worker}: {e}", e.least) from None
         except ValueError as e:
             raise ConfigError(f"--memory-per-worker {m.memory_per_worker}: {e}") from None
         peak = max(mem, key=lambda w: w.total)
@@ -128,13 +139,13 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
     worst = max(range(len(mem)), key=lambda w: mem[w].total)
     peak = mem[worst]
     if peak.total > budget.bytes:
-        raise ConfigError(
+        raise BudgetError(
             f"--micro-batch-size {cfg.schedule.micro_batch_size} cannot fit: the memory model estimates "
             f"{peak.total / GiB:.2f} GiB at worker {worst}'s peak (parameters {peak.params / GiB:.2f}, optimizer "
             f"{peak.optimizer / GiB:.2f}, gradients {peak.grads / GiB:.2f}, activations {peak.activations / GiB:.2f}, "
             f"messages {peak.messages / GiB:.2f}, gradient sums {peak.sync / GiB:.2f} GiB) but a worker has "
             f"{budget.bytes / GiB:.2f} GiB ({budget.source}); lower --micro-batch-size, add --recompute or more "
-            "--stages, or set --memory-per-worker")
+            "--stages, or set --memory-per-worker", peak.total)
     return MemoryVerdict(off, lowered, peak)
 
 

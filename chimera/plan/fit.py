@@ -27,6 +27,14 @@ from chimera.schedule import Schedule
 from chimera.util.units import GiB
 
 
+class OverBudget(ValueError):
+    """No offload policy tried fits the budget; ``least``: the fewest bytes any of them needs at its peak worker."""
+
+    def __init__(self, message: str, least: int) -> None:
+        super().__init__(message)
+        self.least = least
+
+
 def estimate_peaks(chain: Any, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int, optimizer: str,
                    recompute: bool, exchange: bool = True, offload: Offload | None = None) -> list[WorkerMemory]:
     """The memory model's peak per worker of one data-parallel group, from the chain's shapes."""
@@ -51,11 +59,11 @@ def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Seq
                 exchange: bool = True, per_stage: bool = False) -> tuple[Offload, Schedule, list[WorkerMemory]]:
     """The first of ``offloads`` (least offload first; default: every level of the ladder for every stage) whose
     every worker fits ``budget`` bytes, the compute-only ``schedule`` lowered with it, and the workers' peaks;
-    ValueError naming the bytes needed against the budget and what to change when none fits. ``per_stage``: then
+    :class:`OverBudget` naming the bytes needed against the budget and what to change when none fits. ``per_stage``: then
     the least offload per stage that fits (each worker by the policies of the stages it holds, none above the
     first uniform policy that fits; see :func:`_least_per_stage`)."""
     offloads = list(offloads) if offloads is not None else [Offload.uniform(lv) for lv in ladder()]
-    tried = []
+    tried, least = [], None
     for k, off in enumerate(offloads):
         lowered = lower(schedule, off)
         mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off)
@@ -68,6 +76,7 @@ def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Seq
                                         levels, first.prefetch, exchange, first.pack)
             return off, lowered, mem
         m = mem[w]
+        least = m.total if least is None else min(least, m.total)
         tried.append(f"--offload {off.describe()}: {m.total} bytes ({m.total / 2**20:.1f} MiB) on worker {w}: parameters "
                      f"{m.params}, optimizer state {m.optimizer}, gradients {m.grads}, activations {m.activations}, "
                      f"messages {m.messages}, gradient sums {m.sync}")
@@ -77,9 +86,9 @@ def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Seq
     packed = any(s.pack for s in last.stages)
     hint = f"--offload {more[-1].name} or auto, " if more else ("--offload-pack 1 (weights in packs of layers), "
                                                                 if not packed else "a smaller --offload-pack, ")
-    raise ValueError(f"the configuration needs more than the budget of {budget} bytes ({budget / 2**20:.1f} MiB) per "
+    raise OverBudget(f"the configuration needs more than the budget of {budget} bytes ({budget / 2**20:.1f} MiB) per "
                      f"worker: {'; '.join(tried)}. Change: {hint}more stages (--stages), --recompute, a smaller "
-                     "--micro-batch-size or --prefetch, or a larger --memory-per-worker")
+                     "--micro-batch-size or --prefetch, or a larger --memory-per-worker", least or 0)
 
 
 def _least_per_stage(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
