@@ -51,10 +51,7 @@ def cluster_nodes(resource: str) -> list[Node]:
     for n in ray.nodes():
         if not n.get("Alive"):
             continue
-        res = free.get(n["NodeID"], n.get("Resources", {}))
-        slots = int(res.get(resource, 0.0) + 1e-9)
-        if resource == "GPU":
-            slots = min(slots, int(res.get("CPU", 0.0) + 1e-9))
+        slots = _slots(free.get(n["NodeID"], n.get("Resources", {})), resource)
         nodes.append(Node(n["NodeID"], n.get("NodeManagerAddress", "?"), slots))
     nodes.sort(key=lambda x: (x.node_id != here, -x.slots, x.node_id))
     return nodes
@@ -63,13 +60,13 @@ def cluster_nodes(resource: str) -> list[Node]:
 def capacity(resource: str) -> int:
     """Workers the alive nodes can host at most (their total slots of ``resource``, used or not): fewer than a
     job's workers means the job no longer fits, however long it waits."""
-    total = 0
-    for n in ray.nodes():
-        if n.get("Alive"):
-            res = n.get("Resources", {})
-            slots = int(res.get(resource, 0.0) + 1e-9)
-            total += min(slots, int(res.get("CPU", 0.0) + 1e-9)) if resource == "GPU" else slots
-    return total
+    return sum(_slots(n.get("Resources", {}), resource) for n in ray.nodes() if n.get("Alive"))
+
+
+def _slots(res: dict[str, float], resource: str) -> int:
+    """Workers ``res`` can host: its whole units of ``resource`` (a GPU worker also takes a CPU)."""
+    slots = int(res.get(resource, 0.0) + 1e-9)
+    return min(slots, int(res.get("CPU", 0.0) + 1e-9)) if resource == "GPU" else slots
 
 
 def assign(policy: str, world: int, nodes: Sequence[Node]) -> list[str]:

@@ -188,9 +188,9 @@ def resolved_config(cfg: TrainConfig, job: Job) -> TrainConfig:
                              "partition": ",".join(str(len(x)) for x in job.stage_layers), "plan": None,
                              "threads": job.run.threads, "offload": job.offload.text,
                              "recompute": job.run.recompute}
-    moving = [st for st in job.offload.stages if st.level.weights]
+    moving = job.offload.moving
     if moving:  # how the weights move (auto may have chosen prefetch 0 or packs)
-        flags.update(prefetch=moving[0].prefetch, offload_pack=moving[0].pack)
+        flags.update(prefetch=moving.prefetch, offload_pack=moving.pack)
     if cfg.schedule.schedule_file is None:
         flags["schedule"] = lay.schedule
     if cfg.model.chain is None and getattr(job.chain, "vocab_shards", 1) != cfg.model.vocab_shards:

@@ -153,10 +153,10 @@ def _auto_why(off: Offload, peak: WorkerMemory, budget: int, prefetch: int) -> s
     """``--offload auto``'s decision line: the policy of every stage (pack size or prefetch depth included), its peak
     against the budget, and why the weights move as they do."""
     why = f"offload auto: {off.describe()}; {peak.total} bytes at the largest worker's peak, budget {budget}"
-    moving = [s for s in off.stages if s.level.weights]
-    if any(s.packed for s in moving):
+    moving = off.moving  # every stage whose weights move does so alike
+    if moving and moving.packed:
         why += "; whole-stage swaps do not fit"
-    elif moving and moving[0].prefetch < prefetch:
+    elif moving and moving.prefetch < prefetch:
         why += f"; --prefetch {prefetch} does not fit"
     return why
 

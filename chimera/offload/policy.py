@@ -158,6 +158,11 @@ class Offload:
         return any(s.level.weights for s in self.stages)
 
     @property
+    def moving(self) -> StageOffload | None:
+        """The first stage whose weights move (its prefetch depth and pack size are every moving stage's), or None."""
+        return next((s for s in self.stages if s.level.weights), None)
+
+    @property
     def uniform_level(self) -> bool:
         return len({s.level for s in self.stages}) == 1
 

@@ -81,9 +81,9 @@ class Candidate:
                  "data_parallel": self.data_parallel, "micro_batch_size": self.micro_batch_size,
                  "micro_batches": self.micro_batches, "recompute": self.recompute, "chunks": self.chunks,
                  "offload": self.offload.text, "split_backward": self.split_backward}
-        moving = [s for s in self.offload.stages if s.level.weights]
+        moving = self.offload.moving
         if moving:  # the planner gives every stage the same prefetch and pack size
-            flags.update(prefetch=moving[0].prefetch, offload_pack=moving[0].pack)
+            flags.update(prefetch=moving.prefetch, offload_pack=moving.pack)
         return flags
 
     @property
