@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -68,12 +68,13 @@ class StageModule(nn.Module):
             raise ValueError(f"stage {self.indices} needs input activations")
         else:
             x = tuple(acts)
-        device = self._device() if rng is not None else None
-        for index, layer in zip(self.seeds, self.layers):
-            if device is None:
+        if rng is None:
+            for layer in self.layers:
                 x = call(layer, x)
-            else:
-                with _seeded(layer_seed(rng, index), device):
+        else:
+            with _seeding(self._device()) as seed:
+                for index, layer in zip(self.seeds, self.layers):
+                    seed(layer_seed(rng, index))
                     x = call(layer, x)
         if not self.is_last:
             return as_tuple(x)
@@ -92,21 +93,25 @@ def unit_seed(seed: int, step: int, unit: int, rank: int) -> int:
 
 
 @contextmanager
-def _seeded(seed: int, device: torch.device) -> Iterator[None]:
-    """Torch's default generators (the CPU's, and ``device``'s when CUDA) seeded with ``seed`` inside, their states
-    restored on the way out (the generators themselves: ``torch.manual_seed`` costs ~100 us, this ~2 us)."""
+def _seeding(device: torch.device) -> Iterator[Callable[[int], None]]:
+    """A function that seeds torch's default generators (the CPU's, and ``device``'s when CUDA), their states saved
+    once on the way in and restored on the way out (the generators themselves: ``torch.manual_seed`` costs ~100 us,
+    this ~2 us)."""
     gens = [torch.default_generator]
     if device.type == "cuda":
         gens.append(torch.cuda.default_generators[device.index if device.index is not None
                                                   else torch.cuda.current_device()])
     states = [g.get_state() for g in gens]
-    for g in gens:
-        g.manual_seed(seed)
+
+    def seed(value: int) -> None:
+        for g in gens:
+            g.manual_seed(value)
+
     try:
-        yield
+        yield seed
     finally:
-        for g, s in zip(gens, states):
-            g.set_state(s)
+        for g, st in zip(gens, states):
+            g.set_state(st)
 
 
 def build_stage(chain: LayerChain, indices: Sequence[int], seed: int, device: torch.device | str | None = None
