@@ -148,3 +148,29 @@ def test_chimera4_four_pipes_start_on_four_workers():
     for d, n in [(6, 6), (4, 6), (2, 4)]:
         with pytest.raises(ScheduleConfigError, match="multiples of 4"):
             build_schedule("chimera4", d, n)
+
+
+def test_zb_v_one_v_at_1f1b_memory_meets_its_bound():
+    """ZB-V: 2D half stages in one V (worker w holds stages w and 2D-1-w), a flushed step of 3N + (D-1)/2 units at
+    F = I = W, and never more activations than 1F1B's peak (D micro-batches: 2D half-stage ones)."""
+    s = build_schedule("zb-v", 4, 8)
+    assert s.stages == 8 and s.pipes == ("down",)
+    assert all(sorted(st for _, st in s.stages_of(w)) == [w, 7 - w] for w in range(4))
+    half = Costs(fwd=Fraction(1, 2), bwd=Fraction(1, 2), wgrad=Fraction(1, 2))
+    for d, n in [(2, 2), (2, 4), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16), (8, 32), (16, 32)]:
+        s = build_schedule("zb-v", d, n)
+        validate(s)
+        validate(lower(s))  # stage s's activation and stage 2D-1-s's gradient share a channel: taken in order
+        r = simulate(s, half)
+        assert r.makespan == 3 * n + Fraction(d - 1, 2), (d, n, r.makespan)
+        assert max(r.peak_activations) <= 2 * min(d, n), (d, n, r.peak_activations)
+
+
+def test_zb_v_is_the_fastest_at_1f1b_memory():
+    """At one share of weights plus 1F1B's activations (D = 8, N = 16), ZB-V (51.5 units) is picked over ZB-H1 (57),
+    and everything faster needs more memory."""
+    from chimera.schedule.best import best
+
+    choice, ranked = best(8, 16, EQUAL, memory_limit=24, weight_memory=16)
+    assert (choice.label, choice.makespan, choice.shares) == ("zb-v", Fraction(103, 2), 1)
+    assert all(not c.fits for c in ranked if c.makespan < choice.makespan)

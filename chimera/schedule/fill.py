@@ -70,9 +70,10 @@ class _Run:
     in the order they were sent (a receiver must take them in that order, as the runtime's channels match
     messages in posting order)."""
 
-    def __init__(self, stages: int, placement: Mapping[tuple[str, int], int]) -> None:
+    def __init__(self, stages: int, placement: Mapping[tuple[str, int], int], fifo: bool = True) -> None:
         self.stages = stages
         self.place = placement
+        self.fifo = fifo
         self.done: dict[tuple[Kind, str, int], dict[int, Any]] = {}  # (kind, pipe, stage) -> micro-batch -> end
         self.channels: dict[tuple[int, int, str], deque[tuple[Kind, str, int, int]]] = {}
         self._wiring: dict[tuple[Kind, str, int, int], _Wiring] = {}
@@ -91,7 +92,7 @@ class _Run:
                 self._ends(Kind.F, a.pipe, s), *([self._ends(_I, a.pipe, s + 1)] if s < self.stages - 1 else [])]
             src, dst = (s - 1, s + 1) if f else (s + 1, s - 1)
             inbound = outbound = None
-            if 0 <= src < self.stages and self.place[(a.pipe, src)] != w:  # its input comes from another worker
+            if self.fifo and 0 <= src < self.stages and self.place[(a.pipe, src)] != w:  # input from another worker
                 inbound = ((self.place[(a.pipe, src)], w, a.pipe), Kind.F if f else _I, src)
             if 0 <= dst < self.stages and self.place[(a.pipe, dst)] != w:
                 outbound = (w, self.place[(a.pipe, dst)], a.pipe)
@@ -119,9 +120,14 @@ _Wiring = tuple[list[dict[int, Any]], tuple[tuple[int, int, str], Kind, int] | N
 
 def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: Sequence[Sequence[Action]],
                   caps: Sequence[int | None] | None = None, defer: Sequence[int | None] | None = None,
-                  in_order: bool = False, costs: Costs = EQUAL) -> list[list[Action]]:
-    """Per worker, the order its main actions (F, I) and their W run in (module docstring)."""
-    run = _Run(stages, placement)
+                  in_order: bool = False, costs: Costs = EQUAL, fifo: bool = True) -> list[list[Action]]:
+    """Per worker, the order its main actions (F, I) and their W run in (module docstring).
+
+    ``fifo``: a worker takes each channel's messages in the order they were sent. Without it, a main action waits
+    only for what it consumes; the lowering (:func:`chimera.schedule.lowering.in_channel_order`) then posts the
+    receives so that each channel's messages are still taken in order, which never adds a wait.
+    """
+    run = _Run(stages, placement, fifo)
     workers = [_Worker(seq, caps[w] if caps else None, defer[w] if defer else None) for w, seq in enumerate(seqs)]
     events: list[Any] = [0]
     t: Any = 0

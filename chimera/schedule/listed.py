@@ -1,5 +1,5 @@
 """Schedules with split backward (I and W) whose order the zero-bubble list scheduler (:mod:`chimera.schedule.fill`)
-makes: ZB-H1 and ZB-H2 (one pipe), the bidirectional V-shaped BitPipe-style schedule and four-pipe Chimera.
+makes: ZB-H1, ZB-H2 and ZB-V (one pipe), the bidirectional V-shaped BitPipe-style schedule and four-pipe Chimera.
 
 Registered after the schedules of :mod:`chimera.schedule.generators` (the registry's order is the order in which
 ``auto`` and the planner enumerate candidates, and so breaks their ties).
@@ -36,6 +36,66 @@ def zb_h2(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedul
     caps = [min(microbatches, 2 * (stages - s) - 1) for s in range(stages)]
     held = [min(microbatches, 2 * stages - 1)] * stages
     return zero_bubble(one_f_one_b(stages, microbatches), caps, held, False, "zb-h2", order_costs)
+
+
+def zb_v(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedule:
+    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory"): one pipe of 2D half-size stages in a V,
+    stage s on worker s for s < D, else on worker 2D-1-s, split backward.
+
+    A worker holds two half stages (1/D of the model, as 1F1B) and at most 2D half-stage micro-batches of
+    activations (forwarded, not yet through W): 1F1B's peak of D micro-batches. Its forwards and
+    input-gradient backwards follow the V's order (:func:`_v_order`); the list scheduler puts each W where the
+    worker would otherwise wait or where the memory limit needs it. At F = I = W one flushed step takes
+    3N + (D-1)/2 units, against 1F1B's 3(N + D - 1) and ZB-H1's about 3N + D.
+    """
+    _check_common(stages, microbatches)
+    d = stages
+    place = _v_placement(d)
+    seqs = [_v_order(d, microbatches, w) for w in range(d)]
+    rows = list_schedule(2 * d, place, seqs, None, [2 * d] * d, True, order_costs, fifo=False)
+    return Schedule(stages=2 * d, microbatches=microbatches, placement=place, actions=rows, name="zb-v")
+
+
+def _v_placement(d: int) -> dict[tuple[str, int], int]:
+    return {(DOWN, s): s if s < d else 2 * d - 1 - s for s in range(2 * d)}
+
+
+def _v_order(d: int, n: int, w: int) -> list[Action]:
+    """Worker ``w``'s forwards and input-gradient backwards of its two stages (``w`` going down, 2D-1-w coming
+    back up): 2(D-w)-1 first-leg forwards fill the pipe, then w pairs (second leg, first leg) and D-w second-leg
+    forward-backward pairs, then the steady round (first-leg F and I, second-leg F and I), then the remaining
+    backwards alternately. Laid out for max(N, 2D-1) micro-batches (the warm-up's length), the ones past N left
+    out."""
+    legs = (w, 2 * d - 1 - w)
+    count = {(k, leg): 0 for k in (Kind.F, Kind.I) for leg in (0, 1)}
+    full = max(n, 2 * d - 1)
+    out: list[Action] = []
+
+    def emit(kind: Kind, leg: int) -> None:
+        m = count[(kind, leg)]
+        count[(kind, leg)] = m + 1
+        if m < n:
+            out.append(Action(kind, DOWN, legs[leg], m))
+
+    for _ in range(2 * (d - w) - 1):
+        emit(Kind.F, 0)
+    for _ in range(w):
+        emit(Kind.F, 1)
+        emit(Kind.F, 0)
+    for _ in range(d - w):
+        emit(Kind.F, 1)
+        emit(Kind.I, 1)
+    while count[(Kind.F, 1)] < count[(Kind.F, 0)] or count[(Kind.F, 0)] < full:
+        if count[(Kind.F, 0)] < full:
+            emit(Kind.F, 0)
+        emit(Kind.I, 0)
+        emit(Kind.F, 1)
+        emit(Kind.I, 1)
+    while count[(Kind.I, 0)] < full or count[(Kind.I, 1)] < full:
+        for leg in (0, 1):
+            if count[(Kind.I, leg)] < full:
+                emit(Kind.I, leg)
+    return out
 
 
 def _list_ordered(name: str, microbatches: int, placement: dict[tuple[str, int], int], order_costs: Costs,
@@ -148,6 +208,9 @@ register(ScheduleSpec("zb-h1", zb_h1, "ZB-H1: 1F1B with split backward, weight g
                       backward=(True,), takes=("order_costs",), frame=_unordered("zb-h1")))
 register(ScheduleSpec("zb-h2", zb_h2, "ZB-H2: forwards fill the warm-up too (about 2x 1F1B's activations)",
                       backward=(True,), takes=("order_costs",), frame=_unordered("zb-h2")))
+register(ScheduleSpec("zb-v", zb_v, "ZB-V: one V of 2D half stages, split backward, 1F1B's memory",
+                      backward=(True,), chunks=2, takes=("order_costs",),
+                      frame=_list_frame("zb-v", _v_placement, lambda d, n, o: None)))
 register(ScheduleSpec("bitpipe", bitpipe, "BitPipe-style: two V-shaped pipelines of 2D half stages",
                       accepts=_even_microbatches, backward=(True,), chunks=2, shares=2,
                       takes=("order_costs",), frame=_list_frame("bitpipe", _bitpipe_placement, _even_microbatches)))
