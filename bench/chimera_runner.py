@@ -10,23 +10,29 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.workloads import Workload
 from chimera.compile import compile_job
 from chimera.config import TrainConfig
+from chimera.schedule.registry import get as schedule_spec
 from ray_launch.config import LaunchConfig
 from ray_launch.driver import RayJob
 
 
-def chimera_config(w: Workload, schedule: str, steps: int) -> TrainConfig:
+def chimera_config(w: Workload, schedule: str, steps: int, options: dict[str, Any] | None = None) -> TrainConfig:
     """The chimera config for workload ``w`` (same model, split, B, N, optimizer and data as torch.pp).
 
     ``auto`` gets the delay model in 2·D blocks of tf/2 (the split torch.pp's two-stages-per-rank rows run), so
     that it can choose schedules of 2·D stages (BitPipe, interleaved) too; a D-stage choice holds two blocks per
-    stage, the same work."""
+    stage, the same work. ``options``: the schedule's build options as ``auto`` names them (``mode``,
+    ``split_backward``, ``chunks``); a schedule of 2·D stages gets the 2·D blocks too."""
+    options = {k: v for k, v in (options or {}).items() if k in ("mode", "split_backward", "chunks")}
     parts = 2 * w.stages if schedule == "auto" and w.is_delay else w.stages
+    if schedule != "auto" and w.is_delay:
+        parts = schedule_spec(schedule).parts(w.stages, options)
     return TrainConfig.from_flags(model=w.model, model_overrides=w.overrides(parts), partition=w.sizes(w.stages) or "uniform",
-                       schedule=schedule, stages=w.stages,
+                       schedule=schedule, stages=w.stages, **options,
                        micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
                        steps=steps, optimizer=w.optimizer, lr=1e-3, weight_decay=0.01, clip_grad=0.0, threads=1,
                        seed=w.seed, timeout_s=120.0, corpus="synthetic")
@@ -35,8 +41,9 @@ def chimera_config(w: Workload, schedule: str, steps: int) -> TrainConfig:
 class ChimeraRow:
     """A running chimera job for one schedule of a workload; a context manager."""
 
-    def __init__(self, w: Workload, schedule: str, steps: int) -> None:
-        self.job = RayJob(compile_job(chimera_config(w, schedule, steps)), LaunchConfig(connect_timeout_s=300.0), log=lambda msg: None)
+    def __init__(self, w: Workload, schedule: str, steps: int, options: dict[str, Any] | None = None) -> None:
+        self.job = RayJob(compile_job(chimera_config(w, schedule, steps, options)), LaunchConfig(connect_timeout_s=300.0),
+                          log=lambda msg: None)
         self.worker_times: list[float] = []
         choice = next((d for d in self.job.job.decisions if d.startswith("auto: ")), None)  # "auto: <flags>: ..."
         self.label = choice.split(": ")[1] if choice else schedule

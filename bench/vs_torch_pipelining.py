@@ -94,14 +94,7 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
         runners: dict[tuple[str, str], Any] = {("torch.pp", n): group for n in torch_names}
         runners.update({("chimera", n): c for n, c in chimera_rows.items()})
         log(f"  {w.name}: started {len(live)} rows in {time.perf_counter() - t_start:.1f} s")
-        for k in range(warmup + reps):
-            order = live[k % len(live):] + live[:k % len(live)]
-            for r in order:
-                runner = runners[(r["system"], r["schedule"])]
-                steps = [PAIR * k + i for i in range(PAIR)]
-                dt = runner.steps(r["schedule"], steps) if r["system"] == "torch.pp" else runner.steps(steps)
-                if k >= warmup:
-                    r["times"].append(dt)
+        alternate(live, runners, reps, warmup)
         for r in live:
             runner = runners[(r["system"], r["schedule"])]
             r["peak_rss_mib"] = peak_rss_mib(runner.pids)
@@ -114,6 +107,21 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
                     r["split"] = f"{w.stages} ({len(chosen.stages_of(0))}/rank{', replicas' if chosen.bidirectional else ''})"
     log(f"  {w.name}: done in {time.perf_counter() - t_start:.1f} s")
     return rows
+
+
+def alternate(live: list[dict[str, Any]], runners: dict[tuple[str, str], Any], reps: int, warmup: int,
+              key: str = "schedule") -> None:
+    """``warmup + reps`` repetitions of PAIR back-to-back steps of every row (``runners[(system, row[key])]``), the
+    rows in an order rotated by one per repetition; the timed step of each measured repetition joins its row's
+    ``times``."""
+    for k in range(warmup + reps):
+        order = live[k % len(live):] + live[:k % len(live)]
+        for r in order:
+            runner = runners[(r["system"], r[key])]
+            steps = [PAIR * k + i for i in range(PAIR)]
+            dt = runner.steps(r["schedule"], steps) if r["system"] == "torch.pp" else runner.steps(steps)
+            if k >= warmup:
+                r["times"].append(dt)
 
 
 def finish(rows: list[dict[str, Any]], w: Workload) -> None:

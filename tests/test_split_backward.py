@@ -174,3 +174,18 @@ def test_zb_v_is_the_fastest_at_1f1b_memory():
     choice, ranked = best(8, 16, EQUAL, memory_limit=24, weight_memory=16)
     assert (choice.label, choice.makespan, choice.shares) == ("zb-v", Fraction(103, 2), 1)
     assert all(not c.fits for c in ranked if c.makespan < choice.makespan)
+
+
+def test_a_named_list_ordered_schedule_is_ordered_as_the_runtime_runs_it():
+    """``--schedule zb-v`` gets the order ``auto`` would run: made with the first stage's true split (its I empty,
+    its W the whole backward), which at D = N = 4 reaches 13.5 units, where the order made with F = I = W on
+    every stage runs 15."""
+    from chimera.compile import compile_job
+    from chimera.config import TrainConfig
+    from chimera.schedule.best import per_stage
+
+    cfg = TrainConfig.from_flags(model="bert-tiny", model_overrides={"num_hidden_layers": 6}, corpus="synthetic",
+                                 seq_len=16, schedule="zb-v", stages=4, micro_batches=4, steps=1)
+    true = per_stage(EQUAL, 2).first_stage_whole_backward(8)
+    assert simulate(compile_job(cfg).schedule.compute_only(), true).makespan == Fraction(27, 2)
+    assert simulate(build_schedule("zb-v", 4, 4), true).makespan == 15

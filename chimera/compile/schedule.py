@@ -22,7 +22,7 @@ from chimera.plan.partition import partition
 from chimera.plan.profiles import cached_profile, local_comm, sharing
 from chimera.profile import ProfileError
 from chimera.schedule import Costs, Schedule, ScheduleConfigError, build_schedule
-from chimera.schedule.best import best, explain
+from chimera.schedule.best import best, explain, per_stage
 from chimera.schedule.io import load_schedule_file
 from chimera.schedule.registry import get as schedule_spec
 
@@ -71,7 +71,8 @@ def resolve_schedule(cfg: TrainConfig, model: Model, budget: Budget, shapes: Sha
         if s.name != "auto":
             spec = schedule_spec(s.name)
             options = {"mode": s.mode, "chunks": s.chunks, "split_backward": s.split_backward}
-            sched = build_schedule(spec.name, s.stages, s.micro_batches, **options)
+            sched = build_schedule(spec.name, s.stages, s.micro_batches, **options,
+                                   **_order_costs(spec, model.chain, s.stages, s.micro_batch_size, options))
             return _decision(cfg, sched, spec.name, options, None)
         if getattr(model.chain, "block_seconds", None) is not None:  # a model that knows its costs exactly
             return _auto(cfg, model, budget, shapes)
@@ -163,6 +164,18 @@ def _why_profiled(ranked: list[Any], chosen: Any, model: str, device: str) -> st
         nxt = ranked[1].candidate
         why += f"; next: {nxt.spec.label(nxt.options)} ({ranked[1].step_s:.4g} s)"
     return why
+
+
+def _order_costs(spec: Any, chain: Any, stages: int, micro_batch_size: int, options: dict[str, Any]
+                 ) -> dict[str, Costs]:
+    """A list-ordered schedule named by ``--schedule`` is ordered with the costs ``auto`` ranks with
+    (:func:`auto_costs`), per stage as the runtime runs them (the first stage's I empty, its W the whole backward),
+    as ``auto``'s own pick of it is; ``{}`` for a schedule whose order takes no costs."""
+    if "order_costs" not in spec.takes:
+        return {}
+    chunks = spec.chunks_of(options)
+    split = per_stage(auto_costs(chain, stages, micro_batch_size)[0], chunks)
+    return {"order_costs": split.first_stage_whole_backward(stages * chunks)}
 
 
 def auto_costs(chain: Any, stages: int, micro_batch_size: int) -> tuple[Costs, bool]:

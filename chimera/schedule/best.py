@@ -30,7 +30,7 @@ from typing import Any
 
 from chimera.schedule.ir import Schedule, ScheduleConfigError
 from chimera.schedule.registry import build_schedule, candidates
-from chimera.schedule.simulate import Costs, Num, simulate
+from chimera.schedule.simulate import Costs, Num, peak_activations, simulate
 
 
 @dataclass(frozen=True)
@@ -84,12 +84,22 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
         except ScheduleConfigError:
             continue
         r = simulate(s, split)
-        peak = _num(Fraction(max(r.peak_activations)) / chunks)  # a stage of a D*chunks pipe: 1/chunks of a share
-        shares = _num(Fraction(max(len(s.stages_of(w)) for w in range(s.workers)), chunks))
+        peak, shares = footprint(s, chunks, r.peak_activations)
         need = peak + weight_memory * shares
         over = "" if memory_limit is None or need <= memory_limit else f"needs {float(need):g}"
         out.append(Choice(label, spec.name, options, r.makespan, r.bubble, peak, not over, shares, over, s))
     return _sorted(out)
+
+
+def footprint(schedule: Schedule, chunks: int, peaks: Sequence[Num] | None = None) -> tuple[Num, Num]:
+    """What a worker of ``schedule`` holds at most, in the unit of :func:`rank`'s memory limit: its peak
+    activations (micro-batches of one share; a stage of a D*chunks pipe holds 1/chunks of one) and the shares of
+    the model (weights, gradients, optimizer state) it keeps. ``peaks``: the per-worker peaks when simulated
+    already. Any schedule in the IR is priced so, a torch.pp order read with ``from_csv`` too."""
+    peaks = peak_activations(schedule) if peaks is None else peaks
+    peak = _num(Fraction(max(peaks)) / chunks)
+    shares = _num(Fraction(max(len(schedule.stages_of(w)) for w in range(schedule.workers)), chunks))
+    return peak, shares
 
 
 def _sorted(choices: Sequence[Choice]) -> list[Choice]:
