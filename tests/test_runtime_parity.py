@@ -165,7 +165,7 @@ def test_stalled_peer_names_worker_and_action():
     ({"stages": 2, "micro_batches": 3}, "multiple of --stages"),
     ({"micro_batch_size": 0}, "--micro-batch-size must be >= 1"),
     ({"model": "bert-huge"}, "--model must be one of bert-48, .* got 'bert-huge'"),
-    ({"schedule": "zb-v"}, "--schedule must be one of gpipe, 1f1b, .* got 'zb-v'"),
+    ({"schedule": "zb-x"}, "--schedule must be one of gpipe, 1f1b, .* got 'zb-x'"),
     ({"mode": "doubling", "micro_batches": 2}, "multiple of 2\\*D=4"),
     ({"mode": "halving", "micro_batches": 4, "micro_batch_size": 3}, "must be even"),
     ({"mode": "tripling"}, "--mode must be one of direct, doubling, halving"),

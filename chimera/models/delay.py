@@ -42,13 +42,15 @@ class DelayConfig:
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, fwd_s: float, bwd_s: float) -> torch.Tensor:
-        time.sleep(fwd_s)
+        if fwd_s:  # no sleep at all for 0: sleep(0) still yields the CPU, a cost the model does not mean
+            time.sleep(fwd_s)
         ctx.bwd_s = bwd_s
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.bwd_s)
+        if ctx.bwd_s:
+            time.sleep(ctx.bwd_s)
         return grad, None, None
 
 
@@ -62,7 +64,8 @@ class _SleepOnGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.wgrad_s)
+        if ctx.wgrad_s:
+            time.sleep(ctx.wgrad_s)
         return grad, None
 
 

@@ -181,8 +181,9 @@ class Communicator:
         self.wait(work, what)
         return t
 
-    def wait(self, work: dist.Work, what: str) -> None:
-        """Wait for ``work`` at most ``timeout_s``; raise :class:`StallError` describing ``what``."""
+    def wait(self, work: dist.Work, what: str | Callable[[], str]) -> None:
+        """Wait for ``work`` at most ``timeout_s``; raise :class:`StallError` describing ``what`` (a callable: made
+        only then, so that the hot path builds no string)."""
         if work is None:
             return
         try:
@@ -196,6 +197,7 @@ class Communicator:
                 time.sleep(0.0005)
             work.wait()
         except (RuntimeError, StallError) as e:
+            what = what() if callable(what) else what
             raise StallError(f"{self.name} stalled: {what} did not complete within {self.timeout_s:g} s "
                              f"(--timeout); the peer is slow, dead or waiting elsewhere [{str(e).splitlines()[0][:200]}]"
                              ) from None
@@ -227,62 +229,69 @@ class CommBatches:
         self.describe = describe
         comm_idx = [k for k, seg in enumerate(segments) if seg[0].kind.is_p2p]
         self.next_comm = dict(zip(comm_idx, comm_idx[1:]))
+        # every batch resolved once per job: its sends (action, message, peer, group) and receives (the same and
+        # the buffers' shapes), so that a step looks nothing up
+        self.sends: dict[int, list[tuple[Action, Msg, int, Any]]] = {}
+        self.recvs: dict[int, list[tuple[Action, Msg, int, Any, list[tuple[tuple[int, ...], torch.dtype]]]]] = {}
+        for k in comm_idx:
+            batch = segments[k]
+            self.sends[k] = [(a, *self._peer(a)) for a in batch if a.kind.is_send]
+            self.recvs[k] = [(a, *self._peer(a), self._shapes(a)) for a in batch if not a.kind.is_send]
         self.prefetched: dict[int, list[tuple[Action, Msg, tuple[torch.Tensor, ...], list[Any]]]] = {}
         self.send_works: list[tuple[Any, Action, int, torch.Tensor]] = []
 
-    def _peer(self, a: Action) -> tuple[Msg, int]:
+    def _peer(self, a: Action) -> tuple[Msg, int, Any]:
         msg, stage = message(a.kind, a.pipe, a.stage, a.microbatch)
-        return msg, self.comm.global_rank(self.job.schedule.placement[(a.pipe, stage)])
+        return msg, self.comm.global_rank(self.job.schedule.placement[(a.pipe, stage)]), self.comm.pipe_groups[a.pipe]
 
-    def _buffers(self, msg: Msg, count: int) -> tuple[torch.Tensor, ...]:
-        """Receive buffers for ``count`` units of a message: a stage's output, or the gradient of its inputs."""
+    def _shapes(self, a: Action) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes and dtypes of the receive buffers of ``a``: a stage's output, or the gradient of its inputs, for
+        ``a.count`` units."""
+        msg, _ = message(a.kind, a.pipe, a.stage, a.microbatch)
         if msg.res is Res.ACT:
             specs = self.job.stage_inputs(msg.stage + 1)
         else:
             specs = [s for s in self.job.stage_inputs(msg.stage) if s.requires_grad]
-        return tuple(torch.empty((s.shape[0] * count, *s.shape[1:]), dtype=s.dtype, device=self.device)
-                     for s in specs)
+        return [((s.shape[0] * a.count, *s.shape[1:]), s.dtype) for s in specs]
 
     def exchange(self, k: int, st: StepState) -> None:
         """Post batch ``k``'s sends (and its receives unless prefetched); wait for its receives."""
-        batch = self.segments[k]
         ops: list[Op] = []
         owners: list[tuple[Action, list[Any] | None]] = []
-        for a in batch:
-            if a.kind.is_send:
-                msg, rank = self._peer(a)
-                for t in st.outbox.pop(msg):
-                    ops.append(Op(True, t, rank, self.comm.pipe_groups[a.pipe]))
-                    owners.append((a, None))
+        outbox = st.outbox
+        for a, msg, rank, group in self.sends[k]:
+            for t in outbox.pop(msg):
+                ops.append(Op(True, t, rank, group))
+                owners.append((a, None))
         recvs = self.prefetched.pop(k, None)
         if recvs is None:
-            recvs = self._recv_ops(batch, ops, owners)
+            recvs = self._recv_ops(k, ops, owners)
         ahead = self.next_comm.get(k) if self.comm.prefetch_recvs else None
         if ahead is not None:
-            self.prefetched[ahead] = self._recv_ops(self.segments[ahead], ops, owners)
-        self._drop_finished_sends()
+            self.prefetched[ahead] = self._recv_ops(ahead, ops, owners)
+        if self.send_works:
+            self._drop_finished_sends()
+        step = st.step
         for op, (a, slot), w in zip(ops, owners, self.comm.post(ops)):
             if op.is_send:
-                self.send_works.append((w, a, st.step, op.tensor))
+                self.send_works.append((w, a, step, op.tensor))
             else:
                 slot.append(w)  # type: ignore[union-attr]
         for a, msg, tensors, works in recvs:
             for w in works:
-                self.comm.wait(w, self.describe(a, st.step))
+                self.comm.wait(w, lambda a=a: self.describe(a, step))
             st.inbox[msg] = tensors
 
-    def _recv_ops(self, batch: Sequence[Action], ops: list[Op], owners: list[tuple[Action, list[Any] | None]]
+    def _recv_ops(self, k: int, ops: list[Op], owners: list[tuple[Action, list[Any] | None]]
                   ) -> list[tuple[Action, Msg, tuple[torch.Tensor, ...], list[Any]]]:
-        """Append the receives of ``batch`` to ``ops``; return (action, key, buffers, works filled on post)."""
+        """Append the receives of batch ``k`` to ``ops``; return (action, key, buffers, works filled on post)."""
         out = []
-        for a in batch:
-            if a.kind.is_send:
-                continue
-            msg, rank = self._peer(a)
-            tensors = self._buffers(msg, a.count)
+        device = self.device
+        for a, msg, rank, group, shapes in self.recvs[k]:
+            tensors = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes)
             works: list[Any] = []
             for t in tensors:
-                ops.append(Op(False, t, rank, self.comm.pipe_groups[a.pipe]))
+                ops.append(Op(False, t, rank, group))
                 owners.append((a, works))
             out.append((a, msg, tensors, works))
         return out
@@ -292,7 +301,7 @@ class CommBatches:
         pending = []
         for x in self.send_works:
             if x[0] is not None and x[0].is_completed():
-                self.comm.wait(x[0], self.describe(x[1], x[2]))
+                self.comm.wait(x[0], lambda x=x: self.describe(x[1], x[2]))
             else:
                 pending.append(x)
         self.send_works = pending
@@ -300,7 +309,7 @@ class CommBatches:
     def wait_sends(self) -> None:
         """Wait for every send posted so far (before the optimizer step reuses the memory)."""
         for w, a, step, _ in self.send_works:
-            self.comm.wait(w, self.describe(a, step))
+            self.comm.wait(w, lambda a=a, step=step: self.describe(a, step))
         self.send_works.clear()
 
     def held(self) -> list[torch.Tensor]:

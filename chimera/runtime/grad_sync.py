@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,7 +68,7 @@ class GradBuckets:
         return [buf for buf, _ in self._incoming] + [t for _, flat, _, peer in self._pending
                                                      for t in (flat, peer) if t is not None]
 
-    def wait(self, what: str) -> None:
+    def wait(self, what: str | Callable[[], str]) -> None:
         """Wait for the sums and write them back into the gradients."""
         for bucket, flat, works, peer_flat in self._pending:
             for work in works:

@@ -223,7 +223,7 @@ register_handler(Kind.I, lambda w: w.compute.backward_input)
 register_handler(Kind.W, lambda w: w.compute.backward_weight)
 register_handler(Kind.ALLREDUCE_START, lambda w: lambda a, st: w.stages.buckets[(a.pipe, a.stage)].start())
 register_handler(Kind.ALLREDUCE_WAIT,
-                 lambda w: lambda a, st: w.stages.buckets[(a.pipe, a.stage)].wait(w._what(a, st.step)))
+                 lambda w: lambda a, st: w.stages.buckets[(a.pipe, a.stage)].wait(lambda: w._what(a, st.step)))
 register_handler(Kind.OPTIMIZER_STEP, lambda w: w._optimizer_step)
 register_handler(Kind.SWAP_IN, _swap("swap_in"))
 register_handler(Kind.SWAP_OUT, _swap("swap_out"))
