@@ -149,11 +149,10 @@ class Checkpointer:
         state: dict[str, Any] = {}
         opt = self.stages.optimizer.state
         sharded = self.stages.sharded is not None  # the state of a parameter lives on its owner alone, saved there
-        for key, p in _layer_params(self.stages):
-            if self.owns(key):
+        written = {key for key, _ in _layer_params(self.stages, self.owns)}
+        for key, p in _layer_params(self.stages, lambda replica: sharded or self.owns(replica)):
+            if key in written:
                 state[key] = p.detach().to("cpu", copy=True)
-            elif not sharded:
-                continue
             for k, v in opt.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     state[f"optim.{key}.{k}"] = v.detach().to("cpu", copy=True)
