@@ -6,9 +6,9 @@ passes, each a function with typed input and output.
     resolved_config(cfg, job)                   # the request with every decision written in: --config reproduces it
 
 Passes: the request's fields on their own, then the names from the registries; the model; ``--plan``; the
-schedule (registry, file or ``auto``); the partition; one memory verdict (which also chooses the offload); the
-lowering; the validator; checkpoints. Every error is a :class:`~chimera.config.ConfigError` naming the flag to
-change, raised before any worker starts.
+schedule (registry, file or ``auto``); the partition; the optimizer state's owners (``--shard-optimizer``); one
+memory verdict (which also chooses the offload); the lowering; the validator; checkpoints. Every error is a
+:class:`~chimera.config.ConfigError` naming the flag to change, raised before any worker starts.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from chimera.compile.names import check_names, choices
 from chimera.compile.partition import PartitionDecision, fixed_split, partition_pass
 from chimera.compile.plan import apply_plan
 from chimera.compile.schedule import ScheduleDecision, resolve_schedule
+from chimera.compile.shard import shard_pass
 from chimera.config import ConfigError, TrainConfig, check_fields
 from chimera.job import CheckpointOptions, Job, RunOptions, TimelineOptions
 from chimera.models import ChainError, LayerChain
@@ -112,7 +113,8 @@ def _compile(cfg: TrainConfig, chain: LayerChain | None, data: Any, log: Callabl
                            shapes)
         part = partition_pass(cfg, model.chain, sched, unit, threads, budget.bytes if budget.enforced else None,
                               None if cfg.memory.offload == "auto" else _planning_offload(cfg, sched.stages), log)
-    verdict = memory_verdict(cfg, model.chain, sched, part.stage_layers, unit, budget, shapes)
+    shards = shard_pass(cfg, model.chain, sched, part.stage_layers)
+    verdict = memory_verdict(cfg, model.chain, sched, part.stage_layers, unit, budget, shapes, shards)
     try:
         lowered = validate(verdict.lowered)
         boundaries = model.chain.boundaries(unit)
@@ -125,7 +127,7 @@ def _compile(cfg: TrainConfig, chain: LayerChain | None, data: Any, log: Callabl
         stage_layers=part.stage_layers, boundaries=boundaries, unit_size=unit, run=_run_options(cfg, threads),
         offload=verdict.offload, memory_budget=budget.bytes if budget.enforced else None,
         timeline=_timeline(cfg), checkpoint=_checkpoint(cfg), prediction=prediction,
-        decisions=tuple(w for w in (plan_why, decision.why, verdict.why) if w))
+        decisions=tuple(w for w in (plan_why, decision.why, verdict.why) if w), shards=shards)
     return _resume(cfg, job)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chimera.config import ConfigError, TrainConfig
+from chimera.job import OptimizerShards
 from chimera.offload.lowering import lower
 from chimera.offload.policy import EVERYTHING, Offload, ladder
 from chimera.plan.fit import OverBudget, available_memory, fit_offload
@@ -109,9 +110,10 @@ def _configured(cfg: TrainConfig, stages: int, split: bool = False, most_layers:
 
 
 def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layers: list[list[int]], unit: int,
-                   budget: Budget, shapes: Shapes) -> MemoryVerdict:
+                   budget: Budget, shapes: Shapes, shards: OptimizerShards | None = None) -> MemoryVerdict:
     """The offload and lowered schedule of a configuration that fits; ConfigError naming the bytes it needs, by
-    category, against the budget, and what to change when it does not (module docstring)."""
+    category, against the budget, and what to change when it does not (module docstring). ``shards``: the optimizer
+    state is sharded (``--shard-optimizer``), each worker priced with its share."""
     t, m = cfg.training, cfg.memory
     if m.offload_pack and any(a.kind.spec.part_of is not None for row in schedule.actions for a in row):
         raise ConfigError(f"--offload-pack {m.offload_pack} streams a stage's weights through one backward, but a "
@@ -119,11 +121,13 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
     split = any(a.kind.spec.part_of is not None for row in schedule.actions for a in row)
     offloads = _configured(cfg, schedule.stages, split, max(len(x) for x in stage_layers))
     exchange = t.device == "cpu"
+    owned = shards.per_worker(schedule) if shards is not None else None
     if budget.enforced:
         assert budget.bytes is not None
         try:
             off, lowered, mem = fit_offload(shapes.at(unit), schedule, stage_layers, unit, t.optimizer, t.recompute,
-                                            budget.bytes, offloads, exchange=exchange, per_stage=m.offload == "auto")
+                                            budget.bytes, offloads, exchange=exchange, per_stage=m.offload == "auto",
+                                            optimizer_owned=owned)
         except OverBudget as e:
             raise BudgetError(f"--memory-per-worker {m.memory_per_worker}: {e}", e.least) from None
         except ValueError as e:
@@ -135,7 +139,8 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
     lowered = lower(schedule, off)
     if budget.bytes is None:
         return MemoryVerdict(off, lowered, None)
-    mem = worker_memory(shapes.at(unit), lowered, stage_layers, unit, t.optimizer, t.recompute, exchange, offload=off)
+    mem = worker_memory(shapes.at(unit), lowered, stage_layers, unit, t.optimizer, t.recompute, exchange, offload=off,
+                        optimizer_owned=owned)
     worst = max(range(len(mem)), key=lambda w: mem[w].total)
     peak = mem[worst]
     if peak.total > budget.bytes:

@@ -85,6 +85,9 @@ class TrainingSection:
     python_gc: str = option("step", "step: freeze the heap after set-up and collect garbage after every step, never "
                             "inside one (a full collection pauses a worker ~0.2 s); auto: Python's own collector",
                             choices=("step", "auto"))
+    shard_optimizer: bool = option(False, "ZeRO-1: split each stage's optimizer state among the ranks holding a "
+                                   "replica of it (both Chimera pipes, every data-parallel group); each steps the "
+                                   "parameters it owns and sends them to the others; the same training bit for bit")
     check_replicas: bool = option(False, "after every step, verify that all replicas of each stage are bitwise "
                                   "identical")
     debug_stall: tuple[int, float] | None = option(None, "fault injection: (worker rank, seconds) to stall",

@@ -77,6 +77,31 @@ class CheckpointOptions:
 
 
 @dataclass(frozen=True)
+class OptimizerShards:
+    """ZeRO-1 (``--shard-optimizer``): every parameter of a stage held by more than one rank has one owner in the
+    stage's group (``Schedule.stage_group``), which alone keeps its optimizer state, steps it and sends the new
+    values to the group; a stage held by one rank is not in ``owners`` (that rank keeps all of its state).
+
+    Attributes:
+        owners: stage -> ``(name, bytes, owner)`` for each of its parameters (``layer{i}.{param}``, the first name of
+            a parameter shared within the stage, in the stage module's order): its bytes and the owning global rank.
+    """
+
+    owners: dict[int, tuple[tuple[str, int, int], ...]]
+
+    def owned_bytes(self, rank: int, stage: int) -> int:
+        """Parameter bytes of ``stage`` whose optimizer state ``rank`` keeps."""
+        return sum(n for _, n, r in self.owners.get(stage, ()) if r == rank)
+
+    def per_worker(self, schedule: Schedule) -> list[dict[int, int]]:
+        """For every worker of one data-parallel group, each sharded stage it holds -> the most parameter bytes of it
+        whose state one of that worker's copies (one per group) owns: what the memory model prices."""
+        d = schedule.workers
+        return [{s: max(self.owned_bytes(g * d + w, s) for g in range(schedule.data_parallel))
+                 for _, s in schedule.stages_of(w) if s in self.owners} for w in range(d)]
+
+
+@dataclass(frozen=True)
 class Layout:
     """How the model is pipelined: the schedule's name and options, D, N, B, W."""
 
@@ -131,6 +156,7 @@ class Job:
         run, timeline, checkpoint: run options.
         prediction: the planner's prediction when it planned; decisions: what the compiler chose and why.
         resume: the checkpoint the workers start from.
+        shards: which rank keeps each parameter's optimizer state (``--shard-optimizer``), or None (every replica).
     """
 
     name: str
@@ -150,6 +176,7 @@ class Job:
     prediction: Prediction | None = None
     decisions: tuple[str, ...] = ()
     resume: ResumePoint | None = None
+    shards: OptimizerShards | None = None
 
     @property
     def first_step(self) -> int:

@@ -12,7 +12,7 @@ shapes_profile`), which allocates nothing, so any micro-batch size is priced in 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psutil
@@ -56,17 +56,21 @@ def available_memory(device: str, workers: int) -> tuple[int, str] | None:
 
 def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
                 optimizer: str, recompute: bool, budget: int, offloads: Sequence[Offload] | None = None,
-                exchange: bool = True, per_stage: bool = False) -> tuple[Offload, Schedule, list[WorkerMemory]]:
+                exchange: bool = True, per_stage: bool = False,
+                optimizer_owned: Sequence[Mapping[int, int]] | None = None
+                ) -> tuple[Offload, Schedule, list[WorkerMemory]]:
     """The first of ``offloads`` (least offload first; default: every level of the ladder for every stage) whose
     every worker fits ``budget`` bytes, the compute-only ``schedule`` lowered with it, and the workers' peaks;
     :class:`OverBudget` naming the bytes needed against the budget and what to change when none fits. ``per_stage``: then
     the least offload per stage that fits (each worker by the policies of the stages it holds, none above the
-    first uniform policy that fits; see :func:`_least_per_stage`)."""
+    first uniform policy that fits; see :func:`_least_per_stage`). ``optimizer_owned``: the sharded optimizer
+    state's shares (:func:`worker_memory`; not with ``per_stage``)."""
     offloads = list(offloads) if offloads is not None else [Offload.uniform(lv) for lv in ladder()]
     tried, least = [], None
     for k, off in enumerate(offloads):
         lowered = lower(schedule, off)
-        mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off)
+        mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off,
+                            optimizer_owned=optimizer_owned)
         w = max(range(len(mem)), key=lambda i: mem[i].total)
         if mem[w].total <= budget:
             if per_stage and k > 0 and all(o.uniform_level for o in offloads[:k + 1]):

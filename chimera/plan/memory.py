@@ -3,7 +3,8 @@
 A worker holds, for each of its stage replicas (both Chimera replicas), the parameters and the optimizer state
 for the whole step, and the gradients from the stage's first backward until the optimizer step. On top come
 what its schedule stashes for the backward (walked action by action: a forward stashes one unit per
-micro-batch, a backward releases it), the buffers of its messages, and the gradient sum's buffers. The peak is
+micro-batch, a backward releases it), the buffers of its messages, and the gradient sum's buffers. With the
+optimizer state sharded (ZeRO-1, ``optimizer_owned``) only the owned share of a stage's state counts. The peak is
 taken over the worker's action list, so it follows the schedule's order exactly::
 
     mem = worker_memory(profile, compute_only_schedule, stage_layers, unit=4, optimizer="adamw", recompute=False)
@@ -23,7 +24,7 @@ and gradients only while its backward makes them (each leaves as soon as it is a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import ge
 from typing import Any
@@ -182,17 +183,22 @@ def _maximal(states: set[tuple[tuple[int, ...], ...]]) -> list[tuple[tuple[int, 
 
 def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
                   optimizer: str, recompute: bool, exchange: bool = True, walk: MemoryWalk | None = None,
-                  offload: Offload | None = None) -> list[WorkerMemory]:
+                  offload: Offload | None = None, optimizer_owned: Sequence[Mapping[int, int]] | None = None
+                  ) -> list[WorkerMemory]:
     """Peak bytes of every worker of one data-parallel group (module docstring).
 
     ``schedule``: compute-only or lowered (``walk``: its :class:`MemoryWalk`, when already made); ``exchange``:
     gloo, where a pair of replicas sums gradients by exchanging buckets (the peer's bucket lands in a buffer
-    posted at the step's start); ``offload``: the policy the schedule was lowered with.
+    posted at the step's start); ``offload``: the policy the schedule was lowered with; ``optimizer_owned``
+    (ZeRO-1, ``OptimizerShards.per_worker``): per worker, stage -> the parameter bytes whose optimizer state it keeps
+    (a stage not listed: all of it).
     """
     off = offload or Offload()
     stages = _stages(profile, stage_layers, unit, optimizer, recompute, off)
     walk = walk or MemoryWalk(schedule)
-    return [_worker(held, groups, states, stages, exchange, off) for held, groups, states in walk.workers]
+    owned = optimizer_owned or [{}] * len(walk.workers)
+    return [_worker(held, groups, states, stages, exchange, off, own)
+            for (held, groups, states), own in zip(walk.workers, owned)]
 
 
 def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
@@ -217,9 +223,12 @@ def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Seq
 
 
 def _worker(held: list[int], groups: list[int], states: set[tuple[tuple[int, ...], ...]], stages: list[_Stage],
-            exchange: bool, offload: Offload) -> WorkerMemory:
+            exchange: bool, offload: Offload, owned: Mapping[int, int] | None = None) -> WorkerMemory:
     st = [stages[s] for s in held]
-    opt = sum(x.optimizer for s, x in zip(held, st) if not offload.optimizer_at(s))
+    owned = owned or {}
+    # sharded (ZeRO-1): the state of the parameter bytes owned, at the stage's state per parameter byte
+    opt = sum(x.optimizer * owned[s] // max(1, x.params) if s in owned else x.optimizer
+              for s, x in zip(held, st) if not offload.optimizer_at(s))
     # offloaded gradients are summed over host buffers: no device buffers for that stage's sum
     device_sync = [not offload.gradients_at(s) for s in held]
     preposted = sum(x.bucket for x, n, d in zip(st, groups, device_sync) if exchange and n == 2 and d)

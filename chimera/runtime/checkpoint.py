@@ -8,7 +8,9 @@ made by :func:`chimera.models.decompose.decompose`, its ``source`` record, which
 
 * ``layer{i}.{param}`` and ``optim.layer{i}.{param}.{state}``: parameters and optimizer state of layer ``i``,
   written once (by the replica of the stage in the first pipe of data-parallel group 0; replicas are bitwise
-  equal), so a run with another partition loads exactly the layers its stages hold;
+  equal), so a run with another partition loads exactly the layers its stages hold; with the optimizer state
+  sharded (``--shard-optimizer``) each parameter's state is written by the rank that owns it and read back by the
+  rank that owns it in the resumed run (the keys are the same: sharded and unsharded runs resume each other);
 * ``rng.rank{r}.cpu`` / ``.cuda``: every rank's RNG states (restored when the layout is the same);
 * the data position is the step itself: the data are addressed by (step, micro-batch, data-parallel rank).
 
@@ -146,8 +148,11 @@ class Checkpointer:
     def _copy(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
         opt = self.stages.optimizer.state
-        for key, p in _layer_params(self.stages, self.owns):
-            state[key] = p.detach().to("cpu", copy=True)
+        sharded = self.stages.sharded is not None  # the state of a parameter lives on its owner alone, saved there
+        written = {key for key, _ in _layer_params(self.stages, self.owns)}
+        for key, p in _layer_params(self.stages, lambda replica: sharded or self.owns(replica)):
+            if key in written:
+                state[key] = p.detach().to("cpu", copy=True)
             for k, v in opt.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     state[f"optim.{key}.{k}"] = v.detach().to("cpu", copy=True)
@@ -208,8 +213,11 @@ class Checkpointer:
         if missing:
             raise CheckpointError(f"{point.path} has no {missing[:3]}: not a checkpoint of this model")
         target: dict[str, Any] = {}
+        owned = {id(p) for p in self.stages.sharded.owned} if self.stages.sharded else None
         for key, p in params:
             target[key] = p.detach()
+            if owned is not None and id(p) not in owned:  # sharded: another rank keeps its state
+                continue
             for name, md in saved.items():
                 if name.startswith(f"optim.{key}.") and name.count(".") == key.count(".") + 2:
                     target[name] = torch.empty(md.size, dtype=md.properties.dtype)

@@ -5,7 +5,8 @@ Process groups (created in the same order on every rank):
 * one p2p group per pipe, so messages of the down and up pipes between the same two workers can never be
   confused (NCCL matches p2p messages per communicator in posting order);
 * one group per stage with more than one replica (``Schedule.stage_group``: both Chimera replicas over
-  all W data-parallel groups) for the gradient allreduce;
+  all W data-parallel groups) for the gradient allreduce, and with the optimizer state sharded (ZeRO-1) for the
+  broadcast of each parameter from the rank that stepped it (:meth:`Communicator.broadcast_async`);
 * for a stage whose gradients are offloaded (``host_stages``), a second group over the same ranks on gloo
   (:attr:`Communicator.host_groups`): its gradients are summed over host buffers, which NCCL cannot reduce, while
   its device traffic stays on the groups above. Built on CPU too (where every group is gloo), so the two-group
@@ -174,6 +175,15 @@ class Communicator:
         self._count(buf, group)
         self._sizes[buf.numel() * buf.element_size()] += 1
         return t, dist.all_reduce(buf, group=group, async_op=True)
+
+    def broadcast_async(self, t: torch.Tensor, src: int, group: dist.ProcessGroup) -> dist.Work:
+        """Start a broadcast of ``t`` from global rank ``src`` over ``group`` into ``t`` on the others (one byte in
+        single-byte mode: the receivers keep their values); wait for it with :meth:`wait`."""
+        buf = self._payload(t)
+        self._count(buf, group)
+        if src == self.rank:
+            self._sizes[buf.numel() * buf.element_size()] += 1
+        return dist.broadcast(buf, src, group=group, async_op=True)
 
     def allreduce(self, t: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> torch.Tensor:
         """SUM-allreduce ``t`` in place with the timeout; returns ``t``."""

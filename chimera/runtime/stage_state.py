@@ -4,7 +4,9 @@ buckets, optimizer and learning-rate schedule.
 Tied parameters (a chain's ``tied`` pairs, e.g. the embedding on the first stage and the decoder on the last) are
 left out of the stage buckets and summed, pair by pair, over every rank that holds either end before clipping (on
 one rank alone where a V placement puts the first and the last stage together and nothing else holds them). The global
-gradient norm counts each stage once: the first pipe's replica in data-parallel group 0.
+gradient norm counts each stage once: the first pipe's replica in data-parallel group 0. With the optimizer state
+sharded (``Job.shards``) the optimizer steps only this rank's parameters; :mod:`chimera.runtime.zero` brings the
+others'.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from chimera.offload.store import HostStore
 from chimera.optim import build_optimizer, clip_grad_norm_global, warmup_decay_schedule
 from chimera.runtime.comm import Communicator
 from chimera.runtime.grad_sync import GradBuckets
+from chimera.runtime.zero import ShardedUpdate
 
 StageKey = tuple[str, int]
 
@@ -81,7 +84,10 @@ class StageState:
         self.params = [home(p) for p in self.device_params]
         self.norm_params = [home(p) for p in self._norm_params(job, dp_rank)]
         self.clip = run.clip_grad
-        self.optimizer = build_optimizer(self.params, run.optimizer, lr=run.lr, weight_decay=run.weight_decay,
+        # sharded (ZeRO-1): the optimizer holds only the parameters this rank owns (the compiler refused offload)
+        self.sharded = ShardedUpdate(job.shards, self.modules, comm) if job.shards is not None else None
+        stepped = self.sharded.owned if self.sharded else self.params
+        self.optimizer = build_optimizer(stepped, run.optimizer, lr=run.lr, weight_decay=run.weight_decay,
                                          host=self.host is not None)
         self.lr = 0.0  # the learning rate of the last update
         self.lr_schedule = warmup_decay_schedule(self.optimizer, run.warmup_steps, max(run.steps, run.warmup_steps),
@@ -111,8 +117,8 @@ class StageState:
             buckets.prepost()
 
     def optimizer_step(self, step: int) -> float:
-        """Sum tied gradients, clip by the global norm, update (at the rate kept in ``lr``), advance the LR
-        schedule; return the norm."""
+        """Sum tied gradients, clip by the global norm, update (at the rate kept in ``lr``; sharded: the owned
+        parameters, then the others from their owners), advance the LR schedule; return the norm."""
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -135,7 +141,12 @@ class StageState:
         self.lr = float(self.optimizer.param_groups[0]["lr"])  # the rate of this update (the schedule moves on)
         self.optimizer.step()
         self.lr_schedule.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.sharded:
+            for p in self.params:  # the optimizer's zero_grad reaches only the owned ones
+                p.grad = None
+            self.sharded.broadcast(step)  # after the gradients are gone: its buckets take their place
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         return norm
 
     def state(self) -> dict[StageKey, dict[str, torch.Tensor]]:

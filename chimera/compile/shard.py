@@ -1,0 +1,83 @@
+"""The optimizer-sharding pass (``--shard-optimizer``, ZeRO-1): which rank of each stage's group keeps, and steps,
+each parameter's optimizer state.
+
+    shards = shard_pass(cfg, chain, schedule, stage_layers)     # None without the flag
+    shards.owners[s]                                           # ((name, bytes, owner rank), ...)
+
+Whole parameters, balanced by bytes: over every stage together, the largest first, each to the rank of its stage's
+group (``Schedule.stage_group``) owning the fewest bytes so far (ties: the lower rank); the stages' parameters are
+read from a meta-device build of their layers (nothing is allocated). The Job carries the result, so every rank runs the same
+assignment and the memory model prices the same shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from chimera.config import ConfigError, TrainConfig
+from chimera.job import OptimizerShards
+from chimera.models import LayerChain, build_stage
+from chimera.schedule import Schedule
+
+
+def stage_parameters(chain: LayerChain, layers: Sequence[int]) -> list[tuple[str, int]]:
+    """``(layer{i}.{param}, bytes)`` of a stage's parameters in its module's order, a shared one once (first name)."""
+    mod = build_stage(chain, layers, 0, device=torch.device("meta"))
+    seen: set[int] = set()
+    out = []
+    for i, layer in zip(mod.indices, mod.layers):
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((f"layer{i}.{name}", p.numel() * p.element_size()))
+    return out
+
+
+def assign(stages: Mapping[int, Sequence[tuple[str, int]]], groups: Mapping[int, Sequence[int]]
+           ) -> dict[int, tuple[tuple[str, int, int], ...]]:
+    """Every parameter of every stage with its owner in the stage's group: over all stages together, the largest
+    first, to the group's rank owning the fewest bytes so far over every stage (ties: the lower rank), so that a rank
+    holding two stages' largest parameters is avoided; each stage's listed in its own order."""
+    load: dict[int, int] = {}
+    owner: dict[tuple[int, int], int] = {}
+    order = sorted(((s, k) for s, params in stages.items() for k in range(len(params))),
+                   key=lambda sk: (-stages[sk[0]][sk[1]][1], sk))
+    for s, k in order:
+        r = min(sorted(groups[s]), key=lambda r: (load.get(r, 0), r))
+        owner[(s, k)] = r
+        load[r] = load.get(r, 0) + stages[s][k][1]
+    return {s: tuple((name, nbytes, owner[(s, k)]) for k, (name, nbytes) in enumerate(params))
+            for s, params in stages.items()}
+
+
+def shard_pass(cfg: TrainConfig, chain: LayerChain, schedule: Schedule, stage_layers: Sequence[Sequence[int]]
+               ) -> OptimizerShards | None:
+    """The owners of every replicated stage's parameters under ``--shard-optimizer`` (module docstring); None
+    without it. ConfigError naming what to change for what it does not support."""
+    if not cfg.training.shard_optimizer:
+        return None
+    if cfg.memory.offload != "none":
+        raise ConfigError(f"--shard-optimizer with --offload {cfg.memory.offload}: an offloaded stage keeps its whole "
+                          "optimizer state in the host store, which is not sharded; give --offload none or drop "
+                          "--shard-optimizer")
+    params: dict[int, list[tuple[str, int]]] = {}
+    for s, layers in enumerate(stage_layers):
+        group = schedule.stage_group(s)
+        if schedule.stage_group_size(s) != len(group):
+            raise ConfigError(f"--shard-optimizer: a worker holds two replicas of stage {s} in this schedule, and "
+                              "their optimizer state cannot be split between them; drop --shard-optimizer or choose "
+                              "another --schedule")
+        if len(group) > 1:
+            params[s] = stage_parameters(chain, layers)
+    owners = assign(params, {s: schedule.stage_group(s) for s in params})
+    shards = OptimizerShards(owners)
+    world = schedule.workers * schedule.data_parallel
+    for rank in range(world):
+        held = [s for _, s in schedule.stages_of(rank % schedule.workers)]
+        if held and all(s in owners for s in held) and not any(shards.owned_bytes(rank, s) for s in held):
+            raise ConfigError(f"--shard-optimizer: rank {rank} would own no parameter's optimizer state (its stages "
+                              f"{sorted(set(held))} have fewer parameters than replicas); use fewer --data-parallel "
+                              "groups or drop --shard-optimizer")
+    return shards
