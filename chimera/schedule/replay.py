@@ -115,7 +115,7 @@ class Replay:
             q = key[1]
             qw = bisect_right(self.bounds, q) - 1
             qa = self.actions[qw][q - self.bounds[qw]]
-            return f"{a.text()} waits for {qa.text()} (worker {qw} step {q - self.bounds[qw]}) to run first"
+            return f"{a.text()} waits for {qa.text()} (worker {qw}, action {q - self.bounds[qw]}) to run first"
         if role is Role.RECV:
             _, peer = message(a.kind, a.pipe, a.stage, a.microbatch)
             return f"{a.text()} waits for worker {self.place.get((a.pipe, peer))} to send it"
