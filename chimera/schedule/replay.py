@@ -202,17 +202,18 @@ class _Build:
     def run(self) -> None:
         handler, blocking = self.handler, self.blocking
         order, prev, deps_of, slot_of, waits = self.order, self.prev, self.deps, self.slot, self.waits
-        after, awaited = self.after, self.awaited
-        gates = self._track(_AFTER)
+        after, awaited, gated = self.after, self.awaited, bool(self.after)  # ordering edges: off the plain path
+        gates, gate = self._track(_AFTER), None
         while self.stack:
             w = self.stack.pop()
             row, base, last, i = self.rows[w], self.bounds[w], self.last[w], self.pc[w]
             while i < len(row):
                 a = row[i]
                 k = base + i
-                gate = after.get(k) if after else None
-                if gate is not None and self._gated(w, gates, gate):
-                    break
+                if gated:
+                    gate = after.get(k)
+                    if gate is not None and self._gated(w, gates, gate):
+                        break
                 ran = handler[a.kind](w, k, a)
                 if ran is None:
                     break  # blocked; woken when what it waits for is made
@@ -224,7 +225,7 @@ class _Build:
                     waits.append((k, last))
                 last = k
                 i += 1
-                if awaited and k in awaited:
+                if gated and k in awaited:
                     self._finish(gates, k, k)
             else:
                 self.blocked.pop(w, None)
