@@ -166,7 +166,7 @@ def test_per_stage_message_bytes():
 
 def test_one_preparation_per_schedule(monkeypatch):
     plans = []
-    monkeypatch.setattr(simulate_module, "Replay", lambda s: plans.append(s.name) or Replay(s))
+    monkeypatch.setattr(simulate_module, "Replay", lambda s, *a: plans.append(s.name) or Replay(s, *a))
     s = build_schedule("chimera", 4, 8)
     runs = [simulate(s, Costs(fwd=f, bwd=2 * f)) for f in (1, 2, 0.5)]
     assert len(plans) == 1 and [r.makespan for r in runs] == [runs[0].makespan * f for f in (1, 2, 0.5)]

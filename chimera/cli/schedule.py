@@ -3,6 +3,7 @@
     chimera schedule show chimera --stages 4 --micro-batches 8 --format text
     chimera schedule simulate chimera -D 4 -N 4 --fwd 1 --bwd 2 --json
     chimera schedule best -D 8 -N 16 --fwd 1 --bwd 1 --wgrad 1 --memory-limit-units 16 --weight-memory-units 2
+    chimera schedule best -D 8 -N 16 --fwd 1 --bwd 1 --wgrad 1 --rank-by period
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from chimera.schedule import (
     to_json,
     validate,
 )
-from chimera.schedule.best import best, ranking, table
+from chimera.schedule.best import RANK_BY, best, ranking, table
 
 
 def number(text: str) -> Fraction | float:
@@ -116,9 +117,14 @@ def cmd_best(args: argparse.Namespace) -> int:
         raise UsageError("need --stages >= 1 and --micro-batches >= 1")
     if args.weight_memory_units < 0:
         raise UsageError(f"--weight-memory-units must be >= 0, got {args.weight_memory_units}")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1 (1: one step, no period), got {args.steps}")
+    if args.rank_by == "period" and args.steps < 2:
+        raise UsageError("--rank-by period needs --steps >= 2")
     choice, ranked = best(args.stages, args.micro_batches, _costs(args), args.memory_limit_units,
-                          halving=not args.no_halving, weight_memory=args.weight_memory_units)
-    print(json.dumps(ranking(choice, ranked)) if args.json else table(choice, ranked))
+                          halving=not args.no_halving, weight_memory=args.weight_memory_units, steps=args.steps,
+                          by=args.rank_by)
+    print(json.dumps(ranking(choice, ranked, args.rank_by)) if args.json else table(choice, ranked, args.rank_by))
     return 0
 
 
@@ -147,6 +153,12 @@ def _add_best_args(p: argparse.ArgumentParser) -> None:
                         "micro-batches of activations; a schedule holds 1 (1F1B) to 4 (chimera4) shares (default 0: "
                         "activations only)")
     deprecated_alias(p, "--weight-memory", "--weight-memory-units", "weight_memory_units", type=number)
+    p.add_argument("--steps", type=int, default=5,
+                   help="consecutive training steps simulated per candidate for its steady-state period (each stage "
+                        "updated as soon as its gradients are summed, the next step's start-up overlapping the "
+                        "drain); 1: one step only, no period (default: 5)")
+    p.add_argument("--rank-by", choices=RANK_BY, default="makespan",
+                   help="rank by one step's makespan (what training's auto does) or by the period (default: makespan)")
     p.add_argument("--no-halving", action="store_true",
                    help="leave out Chimera's backward halving (odd micro-batch size, or a unit's cost that does not "
                         "shrink with its size)")

@@ -18,6 +18,11 @@ optimizer state, in the same unit) times the shares it holds (``Choice.shares``:
 4 for four-pipe Chimera). 1F1B is always a candidate, so the choice is never slower than 1F1B when 1F1B fits.
 Training's ``auto`` prices the candidates in bytes instead (the compiler's memory pass) and marks those over the
 budget with :func:`exclude`. The candidates are the registry's (:func:`chimera.schedule.registry.candidates`).
+
+``steps`` >= 2 also simulates that many consecutive steps of each candidate with the overlapped step boundary
+(:mod:`chimera.schedule.steps`: each stage updated as soon as its own gradients are summed) and gives its
+steady-state ``period``; ``by="period"`` ranks by it (default: by one step's makespan, as the planner and
+training's ``auto`` do).
 """
 
 from __future__ import annotations
@@ -31,12 +36,16 @@ from typing import Any
 from chimera.schedule.ir import Schedule, ScheduleConfigError
 from chimera.schedule.registry import build_schedule, candidates
 from chimera.schedule.simulate import Costs, Num, peak_activations, simulate
+from chimera.schedule.steps import period as steps_period
+
+RANK_BY = ("makespan", "period")
 
 
 @dataclass(frozen=True)
 class Choice:
     """One simulated candidate: its flags (``label``), build options, makespan, bubble, peak activations, the
-    shares of the model a worker holds, whether it fits (and if not, ``over``: by how much), the schedule."""
+    shares of the model a worker holds, whether it fits (and if not, ``over``: by how much), the schedule, and
+    (where asked for) the steady-state period of consecutive overlapped steps."""
 
     label: str
     name: str
@@ -48,6 +57,7 @@ class Choice:
     shares: Num = 1
     over: str = ""
     schedule: Schedule | None = field(default=None, compare=False, repr=False)
+    period: Num | None = None
 
 
 def per_stage(costs: Costs, chunks: int) -> Costs:
@@ -69,9 +79,12 @@ def _num(x: Num) -> Num:
 
 
 def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
-         halving: bool = True, layers: int | None = None, weight_memory: Num = 0) -> list[Choice]:
+         halving: bool = True, layers: int | None = None, weight_memory: Num = 0, steps: int = 1,
+         by: str = "makespan") -> list[Choice]:
     """Every candidate simulated with ``costs``; those that fit first, fastest first (then least memory).
-    ``layers``: leave out candidates with more stages than the model has layers."""
+    ``layers``: leave out candidates with more stages than the model has layers. ``steps`` >= 2: each also gets
+    its period over that many overlapped steps; ``by``: rank by ``makespan`` or ``period`` (which needs it)."""
+    _check_by(by, steps)
     out = []
     for label, spec, options in candidates(stages, microbatches, halving):
         chunks = spec.chunks_of(options)
@@ -87,8 +100,9 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
         peak, shares = footprint(s, chunks, r.peak_activations)
         need = peak + weight_memory * shares
         over = "" if memory_limit is None or need <= memory_limit else f"needs {float(need):g}"
-        out.append(Choice(label, spec.name, options, r.makespan, r.bubble, peak, not over, shares, over, s))
-    return _sorted(out)
+        per = steps_period(s, split, steps).period if steps > 1 else None
+        out.append(Choice(label, spec.name, options, r.makespan, r.bubble, peak, not over, shares, over, s, per))
+    return _sorted(out, by)
 
 
 def footprint(schedule: Schedule, chunks: int, peaks: Sequence[Num] | None = None) -> tuple[Num, Num]:
@@ -102,21 +116,31 @@ def footprint(schedule: Schedule, chunks: int, peaks: Sequence[Num] | None = Non
     return peak, shares
 
 
-def _sorted(choices: Sequence[Choice]) -> list[Choice]:
-    # ties: the simpler schedule (no split backward), then the least memory
-    return sorted(choices, key=lambda c: (not c.fits, c.makespan, c.options.get("split_backward", False), c.peak,
-                                          c.shares))
+def _check_by(by: str, steps: int) -> None:
+    if by not in RANK_BY:
+        raise ValueError(f"rank by one of {', '.join(RANK_BY)}, got {by!r}")
+    if by == "period" and steps < 2:
+        raise ValueError(f"ranking by period needs steps >= 2 (consecutive steps simulated), got {steps}")
 
 
-def exclude(ranked: Sequence[Choice], over: dict[str, str]) -> list[Choice]:
+def _sorted(choices: Sequence[Choice], by: str = "makespan") -> list[Choice]:
+    # ties: the simpler schedule (no split backward), then the least memory (by period: then the makespan)
+    return sorted(choices, key=lambda c: (not c.fits, c.period if by == "period" else c.makespan, c.makespan,
+                                          c.options.get("split_backward", False), c.peak, c.shares))
+
+
+def exclude(ranked: Sequence[Choice], over: dict[str, str], by: str = "makespan") -> list[Choice]:
     """``ranked`` with the candidates named in ``over`` (label -> by how much) marked as not fitting."""
-    return _sorted([dataclasses.replace(c, fits=False, over=over[c.label]) if c.label in over else c for c in ranked])
+    return _sorted([dataclasses.replace(c, fits=False, over=over[c.label]) if c.label in over else c for c in ranked],
+                   by)
 
 
 def best(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
-         halving: bool = True, layers: int | None = None, weight_memory: Num = 0) -> tuple[Choice, list[Choice]]:
-    """The fastest candidate that fits, and the whole ranking; ScheduleConfigError when none fits."""
-    ranked = rank(stages, microbatches, costs, memory_limit, halving, layers, weight_memory)
+         halving: bool = True, layers: int | None = None, weight_memory: Num = 0, steps: int = 1,
+         by: str = "makespan") -> tuple[Choice, list[Choice]]:
+    """The fastest candidate that fits (by one step's ``makespan``, or by the ``period`` of ``steps`` consecutive
+    overlapped steps), and the whole ranking; ScheduleConfigError when none fits."""
+    ranked = rank(stages, microbatches, costs, memory_limit, halving, layers, weight_memory, steps, by)
     if not ranked:
         few = f": the model has {layers} layers, fewer than the {stages} stages; lower --stages" if layers else ""
         raise ScheduleConfigError(f"no schedule builds for D={stages}, N={microbatches}{few}")
@@ -129,32 +153,46 @@ def best(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
     return ranked[0], ranked
 
 
-def explain(choice: Choice, ranked: Sequence[Choice]) -> str:
-    """Why ``choice``: its figures against 1F1B's and the runner-up's."""
+def explain(choice: Choice, ranked: Sequence[Choice], by: str = "makespan") -> str:
+    """Why ``choice``: its figures against 1F1B's and the runner-up's (by ``makespan`` or ``period``)."""
     ref = next(c for c in ranked if c.label == "1f1b")
     others = [c for c in ranked if c.fits and c is not choice]
-    why = (f"auto: {choice.label}: makespan {float(choice.makespan):g} (bubble {float(choice.bubble):.3f}, peak "
-           f"{float(choice.peak):g} micro-batches), {float(ref.makespan / choice.makespan):.3f}x as fast as 1f1b "
-           f"({float(ref.makespan):g})")
+
+    def fig(c: Choice) -> Num:
+        return c.period if by == "period" else c.makespan
+
+    also = f", period {float(choice.period):g}" if choice.period is not None and by != "period" else ""
+    head = (f"makespan {float(choice.makespan):g}{also}" if by != "period"
+            else f"period {float(fig(choice)):g}, makespan {float(choice.makespan):g}")
+    why = (f"auto: {choice.label}: {head} (bubble {float(choice.bubble):.3f}, peak {float(choice.peak):g} "
+           f"micro-batches), {float(fig(ref) / fig(choice)):.3f}x as fast as 1f1b ({float(fig(ref)):g})")
     if others:
-        why += f"; next: {others[0].label} ({float(others[0].makespan):g})"
+        why += f"; next: {others[0].label} ({float(fig(others[0])):g})"
     skipped = [f"{c.label} ({c.over})" if c.over else c.label for c in ranked if not c.fits]
     if skipped:
         why += f"; over the memory limit: {', '.join(skipped)}"
     return why
 
 
-def ranking(choice: Choice, ranked: Sequence[Choice]) -> dict[str, Any]:
-    """JSON-ready: the choice, why, and every candidate's figures."""
-    return {"choice": choice.label, "why": explain(choice, ranked), "candidates": [
-        {"schedule": c.label, "makespan": float(c.makespan), "bubble": float(c.bubble), "peak": float(c.peak),
-         "shares": float(c.shares), "fits": c.fits, **({"over": c.over} if c.over else {})} for c in ranked]}
+def ranking(choice: Choice, ranked: Sequence[Choice], by: str = "makespan") -> dict[str, Any]:
+    """JSON-ready: the choice, why, what it is ranked by, and every candidate's figures (``period`` where
+    simulated)."""
+    return {"choice": choice.label, "why": explain(choice, ranked, by), "by": by, "candidates": [
+        {"schedule": c.label, "makespan": float(c.makespan), **({} if c.period is None else {"period": float(c.period)}),
+         "bubble": float(c.bubble), "peak": float(c.peak), "shares": float(c.shares), "fits": c.fits,
+         **({"over": c.over} if c.over else {})} for c in ranked]}
 
 
-def table(choice: Choice, ranked: Sequence[Choice]) -> str:
-    """One line per candidate, then why the choice."""
-    lines = [f"{'schedule':<42} {'makespan':>9} {'bubble':>7} {'peak':>5} {'shares':>6}"]
-    lines += [f"{c.label:<42} {float(c.makespan):>9g} {float(c.bubble):>7.3f} {float(c.peak):>5g} "
-              f"{float(c.shares):>6g}{'' if c.fits else '  over the memory limit: ' + (c.over or '')}"
-              for c in ranked]
-    return "\n".join([*lines, explain(choice, ranked)])
+def table(choice: Choice, ranked: Sequence[Choice], by: str = "makespan") -> str:
+    """One line per candidate (its period where simulated), then why the choice."""
+    periods = any(c.period is not None for c in ranked)
+    lines = [f"{'schedule':<42} {'makespan':>9}{' period' if periods else ''} {'bubble':>7} {'peak':>5} "
+             f"{'shares':>6}"]
+    lines += [f"{c.label:<42} {float(c.makespan):>9g}{_cell(c.period) if periods else ''} {float(c.bubble):>7.3f} "
+              f"{float(c.peak):>5g} {float(c.shares):>6g}"
+              f"{'' if c.fits else '  over the memory limit: ' + (c.over or '')}" for c in ranked]
+    return "\n".join([*lines, explain(choice, ranked, by)])
+
+
+def _cell(period: Num | None) -> str:
+    return f" {'-' if period is None else format(float(period), 'g'):>6}"

@@ -27,7 +27,8 @@ are reported as ``stuck`` with the reason, which the validator turns into the st
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -37,6 +38,7 @@ from chimera.schedule.kinds import SPECS, Msg, Res, Role, message
 Key = tuple[Any, ...]
 Num = Any  # int, float or Fraction
 _MSG, _AR = "msg", "AR"  # track tags: messages in flight, allreduces (a resource's track is (res, pipe, stage))
+_AFTER = "after"  # track tag: actions that an ``after`` gate names, by flat index
 
 
 def message_key(a: Action, place: dict[tuple[str, int], int]) -> tuple[Msg, int]:
@@ -52,10 +54,14 @@ class Replay:
     ``1 + s`` is the allreduce of stage s, slot ``1 + stages + s`` a swap-in of stage s beside compute, slot
     ``1 + 2 stages + k`` the message ``messages[k]`` (one per resource, pipe and stage that sends). Duration slot 0 is free, slot ``1 + k`` is what action
     ``durations[k]`` costs (one per kind, stage and count).
+
+    ``after`` (flat index -> flat indices) adds ordering edges beyond the kinds table: an action runs only after
+    the ones it names have run and starts no earlier than their end (consecutive training steps use it:
+    :mod:`chimera.schedule.steps`). The n-th gradient sum of a stage joins the n-th start of every replica.
     """
 
-    def __init__(self, schedule: Schedule) -> None:
-        b = _Build(schedule)
+    def __init__(self, schedule: Schedule, after: Mapping[int, Sequence[int]] | None = None) -> None:
+        b = _Build(schedule, after)
         b.run()
         self.actions = schedule.actions
         self.place = dict(schedule.placement)
@@ -105,6 +111,11 @@ class Replay:
         role = SPECS[a.kind].role
         if key is None:
             return "blocked"
+        if key[0] == _AFTER:
+            q = key[1]
+            qw = bisect_right(self.bounds, q) - 1
+            qa = self.actions[qw][q - self.bounds[qw]]
+            return f"{a.text()} waits for {qa.text()} (worker {qw}, action {q - self.bounds[qw]}) to run first"
         if role is Role.RECV:
             _, peer = message(a.kind, a.pipe, a.stage, a.microbatch)
             return f"{a.text()} waits for worker {self.place.get((a.pipe, peer))} to send it"
@@ -122,8 +133,8 @@ class _Track:
 
     def __init__(self, key: Key) -> None:
         self.key = key
-        self.made: dict[int, Any] = {}
-        self.waiting: dict[int, list[int]] = {}
+        self.made: dict[Any, Any] = {}  # a micro-batch (a stage's gradient sum: stage and round) -> its maker
+        self.waiting: dict[Any, list[int]] = {}
 
 
 Deps = tuple[tuple[int, int], ...]
@@ -136,7 +147,7 @@ class _Build:
     duration slot; or None when it has to wait (the worker is woken when what it blocks on is made).
     """
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule, after: Mapping[int, Sequence[int]] | None = None) -> None:
         self.rows = schedule.actions
         self.place = dict(schedule.placement)
         self.stages = schedule.stages
@@ -149,7 +160,10 @@ class _Build:
         self.last = [self.bounds[-1]] * nw  # flat index of each worker's last action run (none: the sentinel)
         self.tracks: dict[Key, _Track] = {}
         self.blocked: dict[int, Key] = {}
-        self.joins: dict[int, list[int]] = {}
+        self.joins: dict[tuple[int, int], list[int]] = {}  # (stage, round) -> flat indices of its starts
+        self.rounds: dict[tuple[Any, ...], int] = {}  # (role, worker, pipe, stage) -> sums started / awaited so far
+        self.after = {k: tuple(v) for k, v in after.items()} if after else {}
+        self.awaited = {q for v in self.after.values() for q in v}
         self.replicas: dict[int, int] = {}
         for _, s in self.place:
             self.replicas[s] = self.replicas.get(s, 0) + 1
@@ -188,23 +202,31 @@ class _Build:
     def run(self) -> None:
         handler, blocking = self.handler, self.blocking
         order, prev, deps_of, slot_of, waits = self.order, self.prev, self.deps, self.slot, self.waits
+        after, awaited, gated = self.after, self.awaited, bool(self.after)  # ordering edges: off the plain path
+        gates, gate = self._track(_AFTER), None
         while self.stack:
             w = self.stack.pop()
             row, base, last, i = self.rows[w], self.bounds[w], self.last[w], self.pc[w]
             while i < len(row):
                 a = row[i]
                 k = base + i
+                if gated:
+                    gate = after.get(k)
+                    if gate is not None and self._gated(w, gates, gate):
+                        break
                 ran = handler[a.kind](w, k, a)
                 if ran is None:
                     break  # blocked; woken when what it waits for is made
                 order.append(k)
                 prev.append(last)
-                deps_of.append(ran[0])
+                deps_of.append(ran[0] if gate is None else (*ran[0], *((q, 0) for q in gate)))
                 slot_of.append(ran[1])
                 if blocking[a.kind]:
                     waits.append((k, last))
                 last = k
                 i += 1
+                if gated and k in awaited:
+                    self._finish(gates, k, k)
             else:
                 self.blocked.pop(w, None)
             self.pc[w], self.last[w] = i, last
@@ -215,12 +237,20 @@ class _Build:
             t = self.tracks[key] = _Track(key)
         return t
 
-    def _finish(self, track: _Track, m: int, made_by: Any) -> None:
+    def _gated(self, w: int, gates: _Track, gate: tuple[int, ...]) -> bool:
+        """Whether an action of ``w`` that waits for the actions ``gate`` must wait (then ``w`` is blocked)."""
+        for q in gate:
+            if q not in gates.made:
+                self._block(w, gates, q)
+                return True
+        return False
+
+    def _finish(self, track: _Track, m: Any, made_by: Any) -> None:
         track.made[m] = made_by
         if track.waiting and m in track.waiting:
             self.stack.extend(track.waiting.pop(m))
 
-    def _block(self, w: int, track: _Track, m: int) -> None:
+    def _block(self, w: int, track: _Track, m: Any) -> None:
         track.waiting.setdefault(m, []).append(w)
         self.blocked[w] = (*track.key, m)
 
@@ -299,18 +329,25 @@ class _Build:
             return self._block(w, track, a.microbatch)
         return (sent,), self._duration(a)
 
+    def _round(self, role: Role, w: int, a: Action) -> int:
+        return self.rounds.get((role, w, a.pipe, a.stage), 0)
+
     def _sync_start(self, w: int, i: int, a: Action) -> tuple[Deps, int]:
-        started = self.joins.setdefault(a.stage, [])
+        r = self._round(Role.SYNC_START, w, a)
+        self.rounds[(Role.SYNC_START, w, a.pipe, a.stage)] = r + 1
+        started = self.joins.setdefault((a.stage, r), [])
         started.append(i)
         if len(started) == self.replicas.get(a.stage):
-            self._finish(self._track(_AR), a.stage, tuple(started))
+            self._finish(self._track(_AR), (a.stage, r), tuple(started))
         return (), self._duration(a)
 
     def _sync_wait(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
         track = self._track(_AR)
-        started = track.made.get(a.stage)
+        r = self._round(Role.SYNC_WAIT, w, a)
+        started = track.made.get((a.stage, r))
         if started is None:
-            return self._block(w, track, a.stage)
+            return self._block(w, track, (a.stage, r))
+        self.rounds[(Role.SYNC_WAIT, w, a.pipe, a.stage)] = r + 1
         self.synced.add(a.stage)
         return tuple((j, 1 + a.stage) for j in started), self._duration(a)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from functools import cached_property
@@ -216,14 +216,19 @@ def _prepare(schedule: Schedule) -> tuple[Replay, list[Num]]:
     key = id(schedule)
     hit = _PREPARED.get(key)
     if hit is None:
-        plan = Replay(schedule)
-        if plan.stuck:
-            marks = {w: i for w, (i, _) in plan.stuck.items()}
-            why = "; ".join(f"worker {w} at step {i}: {m}" for w, (i, m) in sorted(plan.stuck.items()))
-            raise ScheduleError(f"cannot simulate {schedule.name}: deadlock: {why}\n{format_grid(schedule, marks)}")
-        hit = _PREPARED[key] = (plan, peak_activations(schedule))
+        hit = _PREPARED[key] = (_replay(schedule), peak_activations(schedule))
         weakref.finalize(schedule, _PREPARED.pop, key, None)
     return hit
+
+
+def _replay(schedule: Schedule, after: Mapping[int, Sequence[int]] | None = None) -> Replay:
+    """``schedule`` replayed (with the ordering edges ``after``); ScheduleError with the grid if it deadlocks."""
+    plan = Replay(schedule, after)
+    if plan.stuck:
+        marks = {w: i for w, (i, _) in plan.stuck.items()}
+        why = "; ".join(f"worker {w} at step {i}: {m}" for w, (i, m) in sorted(plan.stuck.items()))
+        raise ScheduleError(f"cannot simulate {schedule.name}: deadlock: {why}\n{format_grid(schedule, marks)}")
+    return plan
 
 
 def _common_denominator(values: Sequence[Num]) -> int | None:
@@ -239,12 +244,17 @@ def _common_denominator(values: Sequence[Num]) -> int | None:
 class Simulator:
     """``schedule`` prepared once (replayed without times); :meth:`run` times it with any :class:`Costs`.
 
-    Raises :class:`ScheduleError` with the step x worker grid if the schedule deadlocks.
+    Raises :class:`ScheduleError` with the step x worker grid if the schedule deadlocks. ``after``: ordering edges
+    beyond the kinds table (:class:`~chimera.schedule.replay.Replay`), for consecutive training steps
+    (:mod:`chimera.schedule.steps`); such a preparation is not kept.
     """
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule, after: Mapping[int, Sequence[int]] | None = None) -> None:
         self.schedule = schedule
-        self._plan, self._peaks = _prepare(schedule)
+        if after:
+            self._plan, self._peaks = _replay(schedule, after), peak_activations(schedule)
+        else:
+            self._plan, self._peaks = _prepare(schedule)
 
     def run(self, costs: Costs | None = None) -> SimResult:
         """Simulate one iteration with ``costs`` (default :class:`Costs`)."""

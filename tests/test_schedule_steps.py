@@ -1,0 +1,163 @@
+"""Consecutive training steps in the simulator (chimera/schedule/steps.py) and the period in `schedule best`."""
+
+import json
+
+import pytest
+
+from chimera.cli import main
+from chimera.schedule import Costs, Schedule, ScheduleError, build_schedule, lower, simulate
+from chimera.schedule.best import per_stage, rank
+from chimera.schedule.registry import candidates
+from chimera.schedule.simulate import Simulator
+from chimera.schedule.steps import period, repeat, simulate_steps
+
+#: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
+pytestmark = pytest.mark.timeout(120)
+
+EQUAL = Costs(fwd=1, bwd=1, wgrad=1)
+
+
+def test_one_f_one_b_by_hand():
+    """1F1B, D = 2, N = 2, F = 1, B = 2. Worker 0 runs F0 F1 B0 B1, worker 1 F0 B0 F1 B1.
+
+    Step 1: w0 F0 [0,1], F1 [1,2]; w1 F0 [1,2], B0 [2,4], F1 [4,5], B1 [5,7]; w0 B0 [4,6], B1 [7,9]: makespan 9.
+    Step 2, overlapped: w0 starts F0' when it is free, at 9 (its own stages are updated: it ran their last
+    backward); w1, idle since 7, gets F0' at 10; the step is step 1 shifted by 9, ends at 18, the third at 27.
+    Drained: every worker waits for the end of step 1 (9) as well: the same 9, 18, 27. The worker that ends
+    a 1F1B step (stage 0's) starts the next, so overlapping gains nothing: period 9 = the makespan.
+    """
+    s = build_schedule("1f1b", 2, 2)
+    assert s.text().splitlines()[1:] == ["0: 0F0 0F1 0B0 0B1", "1: 1F0 1B0 1F1 1B1"]
+    costs = Costs(fwd=1, bwd=2)
+    for overlap in (True, False):
+        t = simulate_steps(s, costs, 3, overlap)
+        assert t.ends == [9, 18, 27] and t.period == 9 and t.last == 9 and t.makespan == 9
+        assert t.result.starts[0][4:8] == [9, 10, 13, 16] and t.result.starts[1][4:8] == [10, 11, 13, 14]
+        assert t.result.makespan == 27
+
+
+PARALLELOGRAM = """# zb-h2 stages=2 microbatches=3
+0: 0F0 0F1 0F2 0I0 0W0 0I1 0W1 0I2 0W2
+1: 1F0 1I0 1F1 1I1 1F2 1I2 1W0 1W1 1W2"""
+
+
+def test_overlap_shortens_a_parallelogram_by_hand():
+    """ZB-H2's order at D = 2, N = 3, F = I = W = 1: worker 0 computes without a gap over [0, 9] (F0 F1 F2 [0,3];
+    I0 waits for w1's I0 [2,3]: [3,4]; W0 [4,5]; I1 after w1's I1 [4,5]: [5,6]; W1; I2 after w1's I2 [6,7]: [7,8];
+    W2 [8,9]), worker 1 over [1, 10] (F0 [1,2] I0 F1 I1 F2 I2 then W0 W1 W2 [7,10]): makespan 10.
+    Overlapped: worker 0 starts step 2 at 9, worker 1 is free at 10 when its F0' arrives: every step is step 1
+    shifted by 9 = 3N, ends 10, 19, 28. Drained: step 2 waits for worker 1's end, 10: ends 10, 20, 30."""
+    s = Schedule.from_text(PARALLELOGRAM)
+    assert simulate(s, EQUAL).makespan == 10
+    over, drained = simulate_steps(s, EQUAL, 3, True), simulate_steps(s, EQUAL, 3, False)
+    assert over.ends == [10, 19, 28] and over.period == 9 == 3 * 3
+    assert drained.ends == [10, 20, 30] and drained.period == 10
+    assert over.result.starts[0][9] == 9 and drained.result.starts[0][9] == 10  # worker 0's F0 of step 2
+
+
+LOPSIDED = """# lopsided stages=2 microbatches=3
+0: d0F0 d0F1 u1F0 d0I0 d0W0 d0I1 d0W1 u1I0 u1W0
+1: u0F0 d1F0 d1I0 d1W0 d1F1 d1I1 d1W1 u0I0 u0W0"""
+
+
+def test_overlapped_stage_waits_for_its_other_replica_by_hand():
+    """Two pipes on two workers (stage 0: down on w0, up on w1), F = I = W = 1. Step 1: w0 d0F0 d0F1 u1F0 [0,3],
+    d0I0 after w1's d1I0 [2,3]: [3,4], d0W0 [4,5], d0I1 after w1's d1I1 [5,6]: [6,7], d0W1 [7,8], u1I0 [8,9],
+    u1W0 [9,10]; w1 ends u0I0 (after u1I0) [9,10], u0W0 [10,11]. Step 2's d0F0 on w0 could start at 10 (w0 is
+    free), but stage 0's update needs the weight gradients of both replicas: u0W0 ends at 11, so it starts at 11."""
+    s = Schedule.from_text(LOPSIDED)
+    t = simulate_steps(s, EQUAL, 2, True)
+    assert t.ends[0] == 11 and t.result.ends[0][8] == 10 and t.result.ends[1][8] == 11
+    assert t.result.starts[0][9] == 11
+    assert Simulator(repeat(s, 2)).run(EQUAL).starts[0][9] == 10  # without the step boundary's edges
+
+
+def _candidates(d: int, n: int):
+    for label, spec, options in candidates(d, n):
+        chunks = spec.chunks_of(options)
+        split = per_stage(EQUAL, chunks).first_stage_whole_backward(d * chunks)
+        yield label, build_schedule(spec.name, d, n, **options, order_costs=split), chunks, split
+
+
+@pytest.mark.parametrize("d,n", [(4, 8), (8, 8)])
+def test_drained_period_is_one_step_and_overlap_never_slower(d, n):
+    """Every candidate, compute-only (F = I = W) and lowered with two data-parallel groups (messages, gradient sums
+    and the optimizer step costed): drained, the period is one step's makespan (the optimizer step included);
+    overlapped, never longer, and never under the 3N units a worker computes per step. The first step of k is
+    the one-step simulation."""
+    gains = set()
+    for label, s, chunks, split in _candidates(d, n):
+        lowered = lower(s.with_data_parallel(2))
+        costly = per_stage(Costs(fwd=1, bwd=1, wgrad=1, allreduce=3, optimizer=2, p2p_latency=1), chunks)
+        for sched, costs in ((s, split), (lowered, costly.first_stage_whole_backward(d * chunks))):
+            one = simulate(sched, costs).makespan
+            drained, over = period(sched, costs, 4, overlap=False), period(sched, costs, 4, overlap=True)
+            assert drained.period == drained.last == one and drained.makespan == over.makespan == one, label
+            assert 3 * n <= over.period <= one, label
+            if over.period < one:
+                gains.add((label, sched.lowered))
+    if n >= 2 * d:  # parallelograms: the start-up under the drain (at N = D none has the micro-batches to fill it)
+        assert ("zb-h2", False) in gains and ("bitpipe", False) in gains
+
+
+def test_lowered_overlap_gains_with_the_optimizer_step():
+    """ZB-H2 lowered, D = 4, N = 8, an optimizer step of 2: one step 29, overlapped period 3N + 2 = 26 (each
+    worker's optimizer step on its own path), drained 29."""
+    c = EQUAL.first_stage_whole_backward(4)
+    s = lower(build_schedule("zb-h2", 4, 8, order_costs=c))
+    costs = Costs(fwd=1, bwd=1, wgrad=1, optimizer=2).first_stage_whole_backward(4)
+    assert simulate(s, costs).makespan == 29
+    assert period(s, costs, 5, True).period == 26 and period(s, costs, 5, False).period == 29
+
+
+@pytest.mark.parametrize("d", [2, 4, 8, 16])
+def test_best_period_within_3n_plus_1(d):
+    """F = I = W: the best candidate by period over 5 overlapped steps is within 3N + 1, N in {D, 2D, 4D}; except
+    N = D at D = 16, where no candidate has enough micro-batches to hide the start-up (best: four-pipe Chimera,
+    3N + D/4 - 1 = 51 > 49; D = 32, 64 likewise: bench/period.py). Never under 3N."""
+    for n in (d, 2 * d, 4 * d):
+        ranked = rank(d, n, EQUAL, steps=5, by="period")
+        assert all(3 * n <= c.period <= c.makespan for c in ranked)
+        assert ranked[0].period == min(c.period for c in ranked)
+        if (d, n) != (16, 16):
+            assert ranked[0].period <= 3 * n + 1, (d, n, ranked[0])
+        else:
+            assert ranked[0].period == 3 * n + d // 4 - 1
+
+
+def test_default_ranking_unchanged_and_period_column():
+    plain, timed = rank(8, 16, EQUAL), rank(8, 16, EQUAL, steps=3)
+    assert [c.label for c in plain] == [c.label for c in timed] and all(c.period is None for c in plain)
+    by_period = rank(8, 16, EQUAL, steps=3, by="period")
+    assert [c.period for c in by_period] == sorted(c.period for c in by_period)
+    with pytest.raises(ValueError, match="needs steps >= 2"):
+        rank(8, 16, EQUAL, by="period")
+    with pytest.raises(ValueError, match="rank by one of"):
+        rank(8, 16, EQUAL, steps=3, by="speed")
+
+
+def test_cli_best_period(capsys):
+    assert main(["schedule", "best", "-D", "4", "-N", "8", "--fwd", "1", "--bwd", "1", "--wgrad", "1",
+                 "--rank-by", "period", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["by"] == "period" and out["candidates"][0]["period"] == 24 == min(
+        c["period"] for c in out["candidates"])
+    zb = next(c for c in out["candidates"] if c["schedule"] == "zb-h2")
+    assert zb["makespan"] == 27 and zb["period"] == 24
+    assert main(["schedule", "best", "-D", "4", "-N", "8", "--steps", "1"]) == 0
+    assert "period" not in capsys.readouterr().out.splitlines()[0]
+    assert main(["schedule", "best", "-D", "4", "-N", "8"]) == 0
+    assert capsys.readouterr().out.split()[:3] == ["schedule", "makespan", "period"]
+    assert main(["schedule", "best", "-D", "4", "-N", "8", "--steps", "1", "--rank-by", "period"]) != 0
+    assert "--rank-by period needs --steps >= 2" in capsys.readouterr().err
+
+
+def test_bad_steps_and_a_deadlocked_boundary():
+    s = build_schedule("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        repeat(s, 0)
+    with pytest.raises(ValueError, match="a period needs steps >= 2"):
+        period(s, EQUAL, 1)
+    assert repeat(s, 2).text().splitlines()[1] == "0: 0F0 0F1 0B0 0B1 0F2 0F3 0B2 0B3"
+    with pytest.raises(ScheduleError, match=r"d0F0 waits for d1B1 \(worker 1, action 3\) to run first"):
+        Simulator(s, {0: (7,)}).run(EQUAL)  # worker 0's first action after worker 1's last, which needs it
