@@ -6,7 +6,14 @@ Delay model: ``simulate(schedule, delay_costs(tf, D)).makespan``: F = tf, input 
 the schedule the job runs (``auto``: the one it chose); torch.pp's GPipe and 1F1B rows chimera's generator of the
 same order; torch.pp's multi-stage rows (Interleaved1F1B, DualPipeV, ZBVZeroBubble, InterleavedZeroBubble,
 LoopedBFS) the compute order torch's schedule object itself runs (its ``pipeline_order``, sent by rank 0;
-``bench.torchpp_runner.compute_order``). No communication or optimizer cost is modelled.
+``bench.torchpp_runner.compute_order``).
+
+Chimera rows are predicted with the runtime's own costs too (:class:`Calibration`, measured once per run before
+any row starts): the lowered schedule the job runs, every message the gloo ping-pong's one-way time between two
+processes of this machine (and as much of the worker's time to post and complete), every gradient sum one such
+exchange, and every compute action the runtime's fixed time per action of its kind
+(:func:`chimera.profile.runtime.measure_action_costs`). torch.pp rows keep the schedule-only figure: their
+runtime's costs are torch's, not measured here.
 
 No prediction (None) for the real-model rows: one-thread stage profiles taken on the shared 2-core development
 machine varied by up to 2x between runs, so a prediction from them would say more about the machine's load
@@ -14,6 +21,8 @@ than about the schedule.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 from bench.workloads import Workload
 from chimera.schedule import Costs, Schedule, build_schedule, simulate
@@ -24,13 +33,42 @@ def delay_costs(tf: float, stages: int) -> Costs:
     return Costs(fwd=tf, bwd=tf, wgrad=tf).first_stage_whole_backward(stages)
 
 
-def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | None = None) -> float | None:
+@dataclass(frozen=True)
+class Calibration:
+    """The runtime's costs on this machine: the one-way time of a small gloo message between two processes (the
+    link's limit) and the fixed seconds per compute action by kind."""
+
+    p2p_s: float
+    fixed: tuple[tuple[str, float], ...]
+
+    @staticmethod
+    def measure(workers: int) -> Calibration:
+        from chimera.profile.comm import measure_comm_local
+        from chimera.profile.runtime import measure_action_costs
+
+        p2p = measure_comm_local(2, sizes=(512,), reps=200).p2p.latency_s
+        return Calibration(p2p, tuple(measure_action_costs(workers).items()))
+
+    def costs(self, tf: float, stages: int) -> Costs:
+        """The delay costs with these runtime costs (module docstring)."""
+        c = replace(delay_costs(tf, stages), fixed=self.fixed)
+        return replace(c, p2p_latency=self.p2p_s, p2p_busy=self.p2p_s, allreduce=self.p2p_s, sync_start=self.p2p_s)
+
+    def text(self) -> str:
+        per = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in self.fixed)
+        return f"gloo ping-pong one way (the link's limit) {self.p2p_s * 1e3:.3f} ms; runtime per action (ms): {per}"
+
+
+def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | None = None,
+                     calibration: Calibration | None = None) -> float | None:
     """The simulator's makespan for the row (``sched``: the schedule the row runs; without it, chimera's generator
-    of ``schedule``), or None."""
+    of ``schedule``), or None. With ``calibration`` (chimera rows): the lowered ``sched`` with the runtime's costs."""
     if not w.is_delay or (sched is None and system == "torch.pp" and schedule not in ("gpipe", "1f1b")):
         return None
     assert w.tf is not None
     if sched is None:
         sched = build_schedule(schedule, w.stages, w.micro_batches)
     tf = w.tf * w.stages / sched.stages  # a schedule of 2·D stages runs D ranks' work in halves
+    if calibration is not None and sched.lowered:
+        return float(simulate(sched, calibration.costs(tf, sched.stages)).makespan)
     return float(simulate(sched.compute_only(), delay_costs(tf, sched.stages)).makespan)

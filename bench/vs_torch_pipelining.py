@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 
 from bench.chimera_runner import ChimeraRow, peak_rss_mib  # noqa: E402
-from bench.predict import predicted_step_s  # noqa: E402
+from bench.predict import Calibration, predicted_step_s  # noqa: E402
 from bench.report import format_table, targets, write_results  # noqa: E402
 from bench.torchpp_runner import TORCH_SCHEDULES, TorchPPGroup  # noqa: E402
 from bench.workloads import WORKLOADS, Workload  # noqa: E402
@@ -69,8 +69,8 @@ def rows_of(w: Workload, only: set[str] | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] | None = None
-                 ) -> list[dict[str, Any]]:
+def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] | None = None,
+                 calibration: Calibration | None = None) -> list[dict[str, Any]]:
     """Start both systems for ``w``, alternate steps over the rows, return the rows with their times."""
     rows = rows_of(w, only)
     live = [r for r in rows if not r["note"]]
@@ -100,7 +100,8 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
             r["peak_rss_mib"] = peak_rss_mib(runner.pids)
             if r["system"] == "chimera":
                 r["worker_step_s"] = statistics.median(runner.worker_times[warmup:])
-                r["predicted_step_s"] = predicted_step_s(w, "chimera", r["schedule"], runner.job.job.schedule)
+                r["predicted_step_s"] = predicted_step_s(w, "chimera", r["schedule"], runner.job.job.schedule,
+                                                         calibration)
                 if r["schedule"] == "auto":  # labelled with what it chose
                     r["schedule"] = f"auto: {runner.label}"
                     chosen = runner.job.job.schedule
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedules", default=None,
                     help="only these schedules, comma-separated (both systems; torch.pp 1f1b always runs: the reference)")
     ap.add_argument("--tf", type=float, default=None, help="delay model forward seconds per stage (default 0.05)")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="predict chimera rows from the schedule alone (no measured runtime costs)")
     ap.add_argument("--json", default=None, help="write the rows as a JSON list to this path")
     ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")),
                     help="markdown file to update with the table ('-': do not write)")
@@ -173,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    calibration = None
+    if any(w.is_delay for w in workloads) and not args.no_calibrate:  # before anything else runs
+        calibration = Calibration.measure(max(w.stages for w in workloads if w.is_delay))
+        log(f"calibration: {calibration.text()}")
     cpus = len(CHIMERA_SCHEDULES) * max(w.stages for w in workloads) + 2  # one CPU slot per chimera worker
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False)
@@ -180,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         for w in workloads:
-            rows = run_workload(w, reps, warmup, log, only)
+            rows = run_workload(w, reps, warmup, log, only, calibration)
             finish(rows, w)
             all_rows.extend(rows)
     finally:
@@ -188,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"# vs torch.distributed.pipelining: {reps} measured + {warmup} warm-up repetitions per row, "
               f"{time.perf_counter() - t0:.0f} s")
     table = format_table(all_rows)
-    checks = targets(all_rows)
+    checks = targets(all_rows, tf=workloads[0].tf if workloads[0].is_delay else None)
+    if calibration is not None:
+        checks.insert(0, f"- calibration: {calibration.text()}")
     print(header)
     print(table)
     print("\n".join(checks))

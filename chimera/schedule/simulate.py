@@ -61,6 +61,11 @@ class Costs:
 
     ``extra``: the costs of kinds registered beyond the built-in ones (``chimera.schedule.kinds.register_kind``),
     ``(name, value)`` pairs under the names their rows give (a value per stage, or one for all).
+
+    ``fixed``: the runtime's own time per action of a kind, whatever it computes or carries, as ``(kind value,
+    seconds)`` pairs (``("F", 2e-4)``: dispatching a forward, running the stage's Python, stashing): charged once
+    per action (not per micro-batch of a doubled one) on top of its cost; measured by
+    :func:`chimera.profile.runtime.measure_action_costs`.
     """
 
     fwd: Num | Sequence[Num] = 1
@@ -78,6 +83,7 @@ class Costs:
     sync_start: Num | Sequence[Num] = 0
     sync_wait: Num | Sequence[Num] = 0
     extra: tuple[tuple[str, Any], ...] = ()
+    fixed: tuple[tuple[str, Num], ...] = ()
 
     def field_value(self, name: str) -> Num | Sequence[Num]:
         """The cost field ``name``: one of the fields above, else an ``extra`` one (0 where none is given)."""
@@ -105,9 +111,12 @@ class Costs:
 
     def worker_time(self, a: Action, scale: Num = 1) -> Num:
         """How long ``a`` occupies its worker: a communication kind its ``busy`` field (its delay is what
-        :meth:`of` charges), any other kind :meth:`of`."""
+        :meth:`of` charges), any other kind :meth:`of`; either plus the kind's ``fixed`` time."""
         busy = SPECS[a.kind].busy
-        return self.stage_value(self.field_value(busy), a.stage) if busy is not None else self.of(a, scale)
+        t = self.stage_value(self.field_value(busy), a.stage) if busy is not None else self.of(a, scale)
+        if self.fixed:
+            t = t + dict(self.fixed).get(a.kind.value, 0)
+        return t
 
     def first_stage_whole_backward(self, stages: int) -> Costs:
         """These costs as the runtime splits a backward over ``stages`` stages: the first stage's inputs are data,
@@ -131,7 +140,7 @@ class Costs:
         return self.p2p_latency + size / self.p2p_bandwidth
 
 
-_FIELDS = {f.name for f in dataclasses.fields(Costs)} - {"extra", "copy_overlap"}
+_FIELDS = {f.name for f in dataclasses.fields(Costs)} - {"extra", "copy_overlap", "fixed"}
 
 
 @dataclass(frozen=True)

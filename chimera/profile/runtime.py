@@ -1,0 +1,47 @@
+"""The runtime's own time per action: what a forward, a backward or its parts cost beyond their layers' compute.
+
+A layer profile times each layer alone; the runtime also dispatches the action, runs the stage's Python, seeds,
+stashes and hands the output over. :func:`measure_action_costs` runs the runtime itself (one process per worker,
+as training does) on the delay model with zero sleeps, whose blocks compute next to nothing, records every
+action's interval, and keeps per compute kind the median: that is the fixed cost the simulator charges per action
+(``Costs.fixed``)::
+
+    fixed = measure_action_costs(workers=2)      # {"F": 2.1e-4, "B": 3.0e-4, "I": ..., "W": ...}
+    costs = replace(costs, fixed=tuple(fixed.items()))
+
+Communication's own worker time is the comm profile's (``p2p_busy``, the gloo ping-pong's fixed cost), not
+measured here. The figure depends on the machine and its load: measure as training will run (as many workers at
+once on the machine).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+#: the kinds measured: the compute kinds of a whole and a split backward
+KINDS = ("F", "B", "I", "W")
+
+
+def measure_action_costs(workers: int = 2, steps: int = 12, skip: int = 4, micro_batches: int | None = None,
+                         device: str = "cpu") -> dict[str, float]:
+    """Median seconds per action of each compute kind (:data:`KINDS`) over steps ``skip..steps-1`` of 1F1B with a
+    whole and with a split backward on ``workers`` workers, the delay model sleeping 0 s (module docstring)."""
+    from chimera.compile import compile_job
+    from chimera.config import TrainConfig
+    from chimera.runtime.launch import run_local
+
+    if workers < 2 or steps <= skip:
+        raise ValueError(f"need workers >= 2 and steps > skip, got workers={workers}, steps={steps}, skip={skip}")
+    n = micro_batches or 2 * workers
+    durations: dict[str, list[float]] = defaultdict(list)
+    for split in (False, True):
+        cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": workers, "fwd_s": 0.0},
+                                     schedule="1f1b", split_backward=split, stages=workers, micro_batches=n,
+                                     micro_batch_size=2, steps=steps, optimizer="sgd", lr=1e-3, clip_grad=0.0,
+                                     threads=1, device=device, corpus="synthetic", partition="uniform", profile=True,
+                                     profile_steps=tuple(range(skip, steps)))
+        for e in run_local(compile_job(cfg)).events:
+            if e.kind in KINDS:
+                durations[e.kind].append(e.end - e.start)
+    return {k: statistics.median(durations[k]) for k in KINDS if durations[k]}

@@ -1,0 +1,30 @@
+"""The runtime's fixed time per action: priced by the simulator per action of its kind (``Costs.fixed``) and
+measured by running the runtime itself (``chimera.profile.runtime``)."""
+
+import pytest
+
+from chimera.profile.runtime import KINDS, measure_action_costs
+from chimera.schedule import Costs, build_schedule, simulate
+
+
+def test_fixed_time_is_charged_once_per_action_of_its_kind():
+    """1F1B, D = N = 2, F = 1, B = 2: 9 units. With 0.5 more per F and per B every action on the critical path
+    grows: w0 F0 0-1.5, w1 F0 1.5-3, B0 3-5.5, F1 5.5-7, B1 7-9.5, w0 B1 9.5-12."""
+    s = build_schedule("1f1b", 2, 2)
+    base = Costs(fwd=1, bwd=2)
+    assert simulate(s, base).makespan == 9
+    assert simulate(s, Costs(fwd=1, bwd=2, fixed=(("F", 0.5), ("B", 0.5)))).makespan == 12
+    assert simulate(s, Costs(fwd=1, bwd=2, fixed=(("W", 5),))).makespan == 9  # no W in a whole backward
+    doubled = build_schedule("chimera", 2, 4, mode="doubling")  # one F over two micro-batches: charged once
+    plain = simulate(doubled, base).busy[0]
+    assert simulate(doubled, Costs(fwd=1, bwd=2, fixed=(("F", 1),))).busy[0] == plain + sum(
+        a.kind.value == "F" for a in doubled.actions[0])
+
+
+@pytest.mark.timeout(120)
+def test_the_runtime_measures_a_positive_fixed_time_per_compute_kind():
+    fixed = measure_action_costs(2, steps=5, skip=2)
+    assert set(fixed) == set(KINDS)
+    assert all(0 < v < 0.05 for v in fixed.values()), fixed  # sub-millisecond on an idle machine; never a sleep
+    with pytest.raises(ValueError, match="workers >= 2"):
+        measure_action_costs(1)
