@@ -91,3 +91,18 @@ def test_the_flag_on_the_command_line():
     add_config_args(p)
     assert config_from_args(p.parse_args(["--shard-optimizer"]))[0].training.shard_optimizer
     assert not config_from_args(p.parse_args([]))[0].training.shard_optimizer
+
+
+def test_auto_prices_the_sharded_optimizer_state():
+    """``--schedule auto`` under a budget prices every candidate with its own sharding: at 34 MiB per worker a
+    two-share schedule (BitPipe) fits once an extra replica costs its weights and gradients but only half its
+    optimizer state; unsharded it needs more, and the one-share ZB-V is the fastest that fits."""
+    from chimera.compile import compile_job
+
+    cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": 8, "hidden_size": 512, "fwd_s": 0.01},
+                                 schedule="auto", stages=4, micro_batches=4, micro_batch_size=2, steps=1,
+                                 optimizer="adamw", corpus="synthetic", partition="uniform", memory_per_worker="34MiB")
+    plain = compile_job(cfg).decisions[0]
+    sharded = compile_job(cfg.with_flags(shard_optimizer=True)).decisions[0]
+    assert plain.startswith("auto: zb-v:") and "bitpipe (needs 36.1 MiB of 34.0 MiB)" in plain, plain
+    assert sharded.startswith("auto: bitpipe:"), sharded

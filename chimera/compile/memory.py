@@ -13,7 +13,7 @@ workers). ``--schedule auto`` marks its candidates with the same pricing (:func:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from chimera.profile import Profile
 from chimera.profile.shapes import shapes_profile
 from chimera.schedule import Schedule
 from chimera.schedule.best import Choice, exclude
-from chimera.util.units import GiB, parse_bytes
+from chimera.util.units import GiB, format_bytes, parse_bytes
 
 
 class BudgetError(ConfigError):
@@ -167,12 +167,15 @@ def _auto_why(off: Offload, peak: WorkerMemory, budget: int, prefetch: int) -> s
 
 
 def exclude_over_budget(cfg: TrainConfig, ranked: Sequence[Choice], split: Callable[[int], list[list[int]]],
-                        budget: Budget, shapes: Shapes) -> list[Choice]:
+                        budget: Budget, shapes: Shapes,
+                        owned: Callable[[Schedule], Sequence[Mapping[int, int]] | None] | None = None) -> list[Choice]:
     """``--schedule auto``'s ranking with the candidates that cannot fit the budget marked, weights included, so that
     its first is the fastest that fits; each priced on ``split(stages)`` at its own unit size. With ``--offload
     auto`` a schedule that fits without offload beats a faster one that needs it, and so on up the ladder. When
     nothing fits, the ranking is returned unmarked and the memory verdict refuses the fastest, naming what to
-    change."""
+    change. ``owned`` (``--shard-optimizer``): per candidate schedule, each worker's owned optimizer-state bytes
+    per stage (``OptimizerShards.per_worker``), so that an extra replica costs its weights and gradients only; a
+    ConfigError from it (the schedule cannot be sharded) marks the candidate."""
     if budget.bytes is None:
         return list(ranked)
     t, m = cfg.training, cfg.memory
@@ -187,8 +190,9 @@ def exclude_over_budget(cfg: TrainConfig, ranked: Sequence[Choice], split: Calla
             assert sched is not None
             unit = int(cfg.schedule.micro_batch_size * sched.microbatch_scale)
             try:
+                own = owned(sched) if owned is not None else None
                 mem = worker_memory(shapes.at(unit), lower(sched, off), split(sched.stages), unit, t.optimizer,
-                                    t.recompute, t.device != "cuda", offload=off)
+                                    t.recompute, t.device != "cuda", offload=off, optimizer_owned=own)
             except ValueError as e:
                 over[c.label] = str(e)
                 continue
@@ -196,5 +200,5 @@ def exclude_over_budget(cfg: TrainConfig, ranked: Sequence[Choice], split: Calla
             if need <= budget.bytes:
                 return exclude(ranked, over)
             with_off = f" with --offload {off.text}" if off is not None and off.optimizer else ""
-            over[c.label] = f"needs {need / GiB:.2f} of {budget.bytes / GiB:.2f} GiB{with_off}"
+            over[c.label] = f"needs {format_bytes(need)} of {format_bytes(budget.bytes)}{with_off}"
     return list(ranked)

@@ -15,6 +15,7 @@ from typing import Any
 
 from chimera.compile.memory import Budget, Shapes, exclude_over_budget
 from chimera.compile.model import Model
+from chimera.compile.shard import shard_pass
 from chimera.config import ConfigError, TrainConfig
 from chimera.job import Layout, Prediction
 from chimera.plan import plan
@@ -87,7 +88,16 @@ def _auto(cfg: TrainConfig, model: Model, budget: Budget, shapes: Shapes) -> Sch
     costs, halving = auto_costs(chain, s.stages, s.micro_batch_size)
     _, ranked = best(s.stages, s.micro_batches, costs, halving=halving, layers=chain.num_layers)
     method = "uniform" if s.partition == "planned" else s.partition
-    ranked = exclude_over_budget(cfg, ranked, lambda stages: partition(chain, stages, method), budget, shapes)
+
+    def split(stages: int) -> list[list[int]]:
+        return partition(chain, stages, method)
+
+    def owned(sched: Schedule) -> list[dict[int, int]] | None:  # --shard-optimizer: each candidate's own shares
+        wide = sched.with_data_parallel(s.data_parallel)
+        shards = shard_pass(cfg, chain, wide, split(sched.stages))
+        return shards.per_worker(wide) if shards is not None else None
+
+    ranked = exclude_over_budget(cfg, ranked, split, budget, shapes, owned)
     choice = ranked[0]
     assert choice.schedule is not None
     options = {k: v for k, v in choice.options.items() if k != "order_costs"}
