@@ -188,3 +188,20 @@ def test_zero_bubble_orders_use_each_stages_costs():
         assert costs.bwd[0] == 0 and costs.wgrad[0] == 1 and costs.bwd[1] == costs.wgrad[1] == Fraction(1, 2)
         mean_order = simulate(build_schedule("bitpipe", d, n), costs).makespan
         assert mean_order > bound, (d, n, mean_order)
+
+
+def test_sharded_optimizer_state_lets_replicated_schedules_fit():
+    """With each stage's optimizer state sharded over its replicas, every schedule keeps one share of it (Chimera's
+    two stages each half, four-pipe Chimera's four each a quarter), so at 28 units (16 per share, 8 of it
+    optimizer state) Chimera with halving and split backward fits (4 + 2 x 16 - 8) and wins; unsharded it needs 36
+    and ZB-V (1 share) is the fastest that fits."""
+    from chimera.schedule.best import owned_shares
+
+    for name, opts in (("chimera", {}), ("chimera4", {}), ("zb-v", {}), ("bitpipe", {}), ("1f1b", {})):
+        s = build_schedule(name, 8, 16, **opts)
+        assert owned_shares(s, s.stages // 8) == 1, name
+    plain, _ = best(8, 16, EQUAL, memory_limit=28, weight_memory=16)
+    sharded, ranked = best(8, 16, EQUAL, memory_limit=28, weight_memory=16, sharded_memory=8)
+    assert plain.label == "zb-v"
+    assert sharded.label == "chimera --mode halving --split-backward", sharded
+    assert next(c.over for c in ranked if c.label == "chimera4") == "needs 48"  # 8 + 4 x 16 - 8 x 3

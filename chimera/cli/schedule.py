@@ -117,13 +117,16 @@ def cmd_best(args: argparse.Namespace) -> int:
         raise UsageError("need --stages >= 1 and --micro-batches >= 1")
     if args.weight_memory_units < 0:
         raise UsageError(f"--weight-memory-units must be >= 0, got {args.weight_memory_units}")
+    if not 0 <= args.sharded_memory_units <= args.weight_memory_units:
+        raise UsageError(f"--sharded-memory-units must be between 0 and --weight-memory-units "
+                         f"({args.weight_memory_units}), got {args.sharded_memory_units}")
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1 (1: one step, no period), got {args.steps}")
     if args.rank_by == "period" and args.steps < 2:
         raise UsageError("--rank-by period needs --steps >= 2")
     choice, ranked = best(args.stages, args.micro_batches, _costs(args), args.memory_limit_units,
                           halving=not args.no_halving, weight_memory=args.weight_memory_units, steps=args.steps,
-                          by=args.rank_by)
+                          by=args.rank_by, sharded_memory=args.sharded_memory_units)
     print(json.dumps(ranking(choice, ranked, args.rank_by)) if args.json else table(choice, ranked, args.rank_by))
     return 0
 
@@ -153,6 +156,10 @@ def _add_best_args(p: argparse.ArgumentParser) -> None:
                         "micro-batches of activations; a schedule holds 1 (1F1B) to 4 (chimera4) shares (default 0: "
                         "activations only)")
     deprecated_alias(p, "--weight-memory", "--weight-memory-units", "weight_memory_units", type=number)
+    p.add_argument("--sharded-memory-units", type=number, default=Fraction(0),
+                   help="of --weight-memory-units, the optimizer state that each stage's replicas shard among "
+                        "themselves (training's --shard-optimizer: an extra replica then costs only weights and "
+                        "gradients; e.g. AdamW in fp32: half of it) (default 0: not sharded)")
     p.add_argument("--steps", type=int, default=5,
                    help="consecutive training steps simulated per candidate for its steady-state period (each stage "
                         "updated as soon as its gradients are summed, the next step's start-up overlapping the "

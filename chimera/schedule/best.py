@@ -80,10 +80,12 @@ def _num(x: Num) -> Num:
 
 def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
          halving: bool = True, layers: int | None = None, weight_memory: Num = 0, steps: int = 1,
-         by: str = "makespan") -> list[Choice]:
+         by: str = "makespan", sharded_memory: Num = 0) -> list[Choice]:
     """Every candidate simulated with ``costs``; those that fit first, fastest first (then least memory).
     ``layers``: leave out candidates with more stages than the model has layers. ``steps`` >= 2: each also gets
-    its period over that many overlapped steps; ``by``: rank by ``makespan`` or ``period`` (which needs it)."""
+    its period over that many overlapped steps; ``by``: rank by ``makespan`` or ``period`` (which needs it).
+    ``sharded_memory``: the part of ``weight_memory`` that is optimizer state sharded over each stage's replicas
+    (``--shard-optimizer``; :func:`owned_shares`)."""
     _check_by(by, steps)
     out = []
     for label, spec, options in candidates(stages, microbatches, halving):
@@ -99,6 +101,8 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
         r = simulate(s, split)
         peak, shares = footprint(s, chunks, r.peak_activations)
         need = peak + weight_memory * shares
+        if sharded_memory:  # each replica keeps only its part of the stage's optimizer state
+            need -= sharded_memory * (shares - owned_shares(s, chunks))
         over = "" if memory_limit is None or need <= memory_limit else f"needs {float(need):g}"
         per = steps_period(s, split, steps).period if steps > 1 else None
         out.append(Choice(label, spec.name, options, r.makespan, r.bubble, peak, not over, shares, over, s, per))
@@ -114,6 +118,14 @@ def footprint(schedule: Schedule, chunks: int, peaks: Sequence[Num] | None = Non
     peak = _num(Fraction(max(peaks)) / chunks)
     shares = _num(Fraction(max(len(schedule.stages_of(w)) for w in range(schedule.workers)), chunks))
     return peak, shares
+
+
+def owned_shares(schedule: Schedule, chunks: int) -> Num:
+    """The shares of the model's optimizer state a worker keeps when each stage's state is sharded over its replicas
+    (ZeRO-1): per stage held, 1/chunks of a share split over the stage's group (both pipes, every data-parallel
+    group): Chimera and four-pipe Chimera keep one share, as 1F1B."""
+    return _num(max(sum(Fraction(1, chunks * schedule.stage_group_size(st)) for _, st in schedule.stages_of(w))
+                    for w in range(schedule.workers)))
 
 
 def _check_by(by: str, steps: int) -> None:
@@ -137,15 +149,16 @@ def exclude(ranked: Sequence[Choice], over: dict[str, str], by: str = "makespan"
 
 def best(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
          halving: bool = True, layers: int | None = None, weight_memory: Num = 0, steps: int = 1,
-         by: str = "makespan") -> tuple[Choice, list[Choice]]:
+         by: str = "makespan", sharded_memory: Num = 0) -> tuple[Choice, list[Choice]]:
     """The fastest candidate that fits (by one step's ``makespan``, or by the ``period`` of ``steps`` consecutive
     overlapped steps), and the whole ranking; ScheduleConfigError when none fits."""
-    ranked = rank(stages, microbatches, costs, memory_limit, halving, layers, weight_memory, steps, by)
+    ranked = rank(stages, microbatches, costs, memory_limit, halving, layers, weight_memory, steps, by, sharded_memory)
     if not ranked:
         few = f": the model has {layers} layers, fewer than the {stages} stages; lower --stages" if layers else ""
         raise ScheduleConfigError(f"no schedule builds for D={stages}, N={microbatches}{few}")
     if not ranked[0].fits:
-        least = min((c.peak + weight_memory * c.shares for c in ranked), default=None)
+        least = min((c.peak + weight_memory * c.shares - sharded_memory * (c.shares - owned_shares(
+            c.schedule, c.schedule.stages // stages)) for c in ranked if c.schedule is not None), default=None)
         raise ScheduleConfigError(f"no schedule for D={stages}, N={microbatches} fits --memory-limit {memory_limit} "
                                   f"micro-batches of activations per worker (weights included at --weight-memory "
                                   f"{weight_memory} per share); the least any needs is {least}: raise the limit, "
