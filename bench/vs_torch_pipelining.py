@@ -44,6 +44,8 @@ from bench.report import format_table, targets, write_results  # noqa: E402
 from bench.torchpp_runner import TORCH_SCHEDULES, TorchPPGroup  # noqa: E402
 from bench.workloads import WORKLOADS, Workload  # noqa: E402
 from chimera.schedule import from_csv  # noqa: E402
+from chimera.schedule.registry import SCHEDULES  # noqa: E402
+from chimera.schedule.registry import get as schedule_spec  # noqa: E402
 
 CHIMERA_SCHEDULES = ["chimera", "1f1b", "gpipe", "auto"]
 PAIR = 2  # steps per row and repetition, back to back; the second one is timed (steady state)
@@ -59,10 +61,16 @@ def rows_of(w: Workload, only: set[str] | None = None) -> list[dict[str, Any]]:
         why = ts.feasible(w.stages, w.micro_batches, w.build(w.stages * ts.per_rank).num_layers)
         split = f"{w.stages * ts.per_rank} ({ts.per_rank}/rank{', V' if ts.style == 'v' and ts.per_rank == 2 else ''})"
         rows.append({"system": "torch.pp", "schedule": name, "split": split, "note": why or ""})
-    for name in CHIMERA_SCHEDULES:
+    extra = [n for n in sorted(only or ()) if n not in CHIMERA_SCHEDULES and n not in TORCH_SCHEDULES]
+    for name in [*CHIMERA_SCHEDULES, *extra]:  # --schedules may name any other registered schedule
         if only is not None and name not in only:
             continue
-        split = f"{w.stages} (2/rank, replicas)" if name == "chimera" else f"{w.stages} (1/rank)"
+        if name in ("chimera", "1f1b", "gpipe", "auto"):
+            split = f"{w.stages} (2/rank, replicas)" if name == "chimera" else f"{w.stages} (1/rank)"
+        else:
+            spec = schedule_spec(name)
+            parts, held = spec.parts(w.stages, {}), spec.shares * spec.chunks_of({})
+            split = f"{parts} ({held}/rank{', replicas' if held > spec.chunks_of({}) else ''})"
         rows.append({"system": "chimera", "schedule": name, "split": split, "note": ""})
     for r in rows:
         r.update(workload=w.name, stages=w.stages, micro_batches=w.micro_batches, times=[])
@@ -148,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one measured repetition (and one warm-up) per row")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {', '.join(WORKLOADS)}")
     ap.add_argument("--schedules", default=None,
-                    help="only these schedules, comma-separated (both systems; torch.pp 1f1b always runs: the reference)")
+                    help="only these schedules, comma-separated (both systems; torch.pp 1f1b always runs: the reference; "
+                         "any other registered chimera schedule, e.g. bitpipe or zb-v, adds a chimera row)")
     ap.add_argument("--tf", type=float, default=None, help="delay model forward seconds per stage (default 0.05)")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="predict chimera rows from the schedule alone (no measured runtime costs)")
@@ -162,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
     reps, warmup = (1, 1) if args.quick else (args.reps, args.warmup)
     only = {x.strip() for x in args.schedules.split(",") if x.strip()} if args.schedules else None
-    if only is not None and not only <= {*TORCH_SCHEDULES, *CHIMERA_SCHEDULES}:
-        ap.error(f"unknown schedule(s) {sorted(only - {*TORCH_SCHEDULES, *CHIMERA_SCHEDULES})}; known: "
-                 f"{', '.join(sorted({*TORCH_SCHEDULES, *CHIMERA_SCHEDULES}))}")
+    known = {*TORCH_SCHEDULES, *CHIMERA_SCHEDULES, *SCHEDULES}
+    if only is not None and not only <= known:
+        ap.error(f"unknown schedule(s) {sorted(only - known)}; known: {', '.join(sorted(known))}")
     workloads = [WORKLOADS[n] for n in names]
     workloads = [w.with_plan(w.stages, 2 * w.stages) for w in workloads]  # planned splits (uniform: as is)
     if args.tf is not None:
@@ -180,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(w.is_delay for w in workloads) and not args.no_calibrate:  # before anything else runs
         calibration = Calibration.measure(max(w.stages for w in workloads if w.is_delay))
         log(f"calibration: {calibration.text()}")
-    cpus = len(CHIMERA_SCHEDULES) * max(w.stages for w in workloads) + 2  # one CPU slot per chimera worker
+    rows_per = len({*CHIMERA_SCHEDULES, *((only or set()) - set(TORCH_SCHEDULES))})
+    cpus = rows_per * max(w.stages for w in workloads) + 2  # one CPU slot per chimera worker
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False)
     all_rows: list[dict[str, Any]] = []
