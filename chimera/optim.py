@@ -99,21 +99,53 @@ def warmup_decay_schedule(
     return LambdaLR(optimizer, factor)
 
 
-def local_grad_sq_norm(
-    params: Iterable[torch.Tensor], device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Sum of squared gradient norms of ``params`` as a float64 scalar on ``device`` (default: the first gradient's;
-    0 when there are no grads)."""
+def grad_norms(params: Iterable[torch.Tensor], device: torch.device | str | None = None) -> list[torch.Tensor]:
+    """The L2 norm of every gradient of ``params`` (those that have one), each a float64 scalar on ``device``
+    (default: the first gradient's), in ``params``' order within each device."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros((), dtype=torch.float64, device=device)
+        return []
     # per device, summed on one: a worker may hold host gradients (an offloaded stage) beside device ones
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
     at = device if device is not None else grads[0].device
-    norms = [n.to(at, torch.float64) for gs in by_device.values() for n in torch._foreach_norm(gs, 2.0)]
+    return [n.to(at, torch.float64) for gs in by_device.values() for n in torch._foreach_norm(gs, 2.0)]
+
+
+def sum_of_squares(norms: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """The sum of the squares of ``norms`` (from :func:`grad_norms`) as a float64 scalar (0 on ``device`` for
+    none)."""
+    if not norms:
+        return torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack(norms).square().sum()
+
+
+def local_grad_sq_norm(
+    params: Iterable[torch.Tensor], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Sum of squared gradient norms of ``params`` as a float64 scalar on ``device`` (default: the first gradient's;
+    0 when there are no grads)."""
+    return sum_of_squares(grad_norms(params, device), device)
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float | None:
+    """What clipping to ``max_norm`` multiplies the gradients by at global norm ``norm``: None where it leaves them
+    as they are (a norm within the bound, or a non-finite norm). Callers that do not clip do not ask."""
+    if not math.isfinite(norm):
+        return None
+    coef = max_norm / (norm + 1e-6)
+    return coef if coef < 1.0 else None
+
+
+def scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:
+    """Multiply every gradient of ``params`` by ``coef`` in place (host and device gradients apart)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_device.setdefault(p.grad.device, []).append(p.grad)
+    for grads in by_device.values():
+        torch._foreach_mul_(grads, coef)
 
 
 def clip_grad_norm_global(
@@ -139,13 +171,7 @@ def clip_grad_norm_global(
     if allreduce_sq_norm is not None:
         sq = allreduce_sq_norm(sq)
     total = float(sq.sqrt())
-    if not math.isfinite(total):
-        return total
-    coef = max_norm / (total + 1e-6)
-    if coef < 1.0 and params:
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for p in params:  # host and device gradients apart (an offloaded stage beside one on the device)
-            by_device.setdefault(p.grad.device, []).append(p.grad)
-        for grads in by_device.values():
-            torch._foreach_mul_(grads, coef)
+    coef = clip_coefficient(total, max_norm)
+    if coef is not None and params:
+        scale_grads(params, coef)
     return total

@@ -88,6 +88,11 @@ class TrainingSection:
     shard_optimizer: bool = option(False, "ZeRO-1: split each stage's optimizer state among the ranks holding a "
                                    "replica of it (both Chimera pipes, every data-parallel group); each steps the "
                                    "parameters it owns and sends them to the others; the same training bit for bit")
+    post_validate: bool = option(False, "update each stage as soon as its gradients are complete, without waiting "
+                                 "for the global gradient norm; check the norm at the end of the step and, where "
+                                 "clipping engages or it is not finite, roll the updates back exactly and redo "
+                                 "them clipped (or skip the step: a non-finite norm leaves the weights and optimizer "
+                                 "state as they were). Costs a copy of each stage's weights and optimizer state")
     check_replicas: bool = option(False, "after every step, verify that all replicas of each stage are bitwise "
                                   "identical")
     debug_stall: tuple[int, float] | None = option(None, "fault injection: (worker rank, seconds) to stall",

@@ -43,6 +43,7 @@ class RunOptions:
     check_replicas: bool = False
     comm_payload: str = "full"
     debug_stall: tuple[int, float] | None = None
+    post_validate: bool = False  # per-stage updates, validated (rolled back and redone) at the end of the step
 
     @property
     def is_training_result(self) -> bool:

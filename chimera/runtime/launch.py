@@ -81,7 +81,16 @@ def summarize_step(job: Job, results: list[StepResult]) -> dict[str, Any]:
         **({"checkpoint": str(step_dir(job.checkpoint.dir, results[0].step + 1))}
            if job.checkpoint.dir and due(results[0].step, job.checkpoint.every, job.run.steps) else {}),
         "gc_s": max(r.gc_s for r in results),
+        **({"update": _agreed_update(results)} if job.run.post_validate else {}),
     }
+
+
+def _agreed_update(results: list[StepResult]) -> str:
+    """What every worker's post-validation decided about the step (one global norm: they agree)."""
+    seen = {r.update for r in results}
+    if len(seen) != 1:
+        raise WorkerError(f"step {results[0].step}: the workers' post-validations disagree ({sorted(seen)})")
+    return seen.pop()
 
 
 @dataclass

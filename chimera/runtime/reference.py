@@ -7,13 +7,21 @@ Parity tests compare the pipeline runtime against it; it is also a handy baselin
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from chimera.job import Job
 from chimera.models import SequentialModel, unit_seed
-from chimera.optim import build_optimizer, clip_grad_norm_global, warmup_decay_schedule
+from chimera.optim import (
+    build_optimizer,
+    clip_coefficient,
+    clip_grad_norm_global,
+    local_grad_sq_norm,
+    scale_grads,
+    warmup_decay_schedule,
+)
 
 
 class Reference(NamedTuple):
@@ -27,6 +35,10 @@ class Reference(NamedTuple):
 
 def train_sequential(job: Job, then: tuple[int, Job] | None = None) -> Reference:
     """Train the job's steps on all N x W units of each step with gradient accumulation, in one process.
+
+    With ``job.run.post_validate`` a step whose global gradient norm is not finite leaves the weights and the
+    optimizer state as they were (the LR schedule still advances), as the post-validated runtime does; without it the
+    step goes into the optimizer as it is. The norm is computed (and reported) even without clipping.
 
     ``then=(k, other)``: from step ``k`` on, the units of each step are ``other``'s (its N, W and data), as when a
     checkpoint of step ``k`` is resumed with another layout.
@@ -50,8 +62,16 @@ def train_sequential(job: Job, then: tuple[int, Job] | None = None) -> Reference
                 (loss * scale).backward()
                 total += float(loss.detach())
         losses.append(total / (units * width))
-        norms.append(clip_grad_norm_global(params, t.clip_grad) if t.clip_grad > 0 else 0.0)
-        opt.step()
+        if t.post_validate:  # the norm always (the non-finite check); a non-finite one skips the update
+            norms.append(float(local_grad_sq_norm(params).sqrt()))
+            coef = clip_coefficient(norms[-1], t.clip_grad) if t.clip_grad > 0 else None
+            if coef is not None:
+                scale_grads(params, coef)
+            if math.isfinite(norms[-1]):
+                opt.step()
+        else:
+            norms.append(clip_grad_norm_global(params, t.clip_grad) if t.clip_grad > 0 else 0.0)
+            opt.step()
         lr.step()
         opt.zero_grad(set_to_none=True)
     stage = model.stage

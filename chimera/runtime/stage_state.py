@@ -12,7 +12,7 @@ others'.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -119,10 +119,20 @@ class StageState:
     def optimizer_step(self, step: int) -> float:
         """Sum tied gradients, clip by the global norm, update (at the rate kept in ``lr``; sharded: the owned
         parameters, then the others from their owners), advance the LR schedule; return the norm."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        fill_grads(self.params)
+        self.sum_tied(step)
+        norm = 0.0
+        if self.clip > 0:
+            norm = clip_grad_norm_global(self.params, self.clip, self.norm_allreduce(step), self.norm_params)
+        self.lr = float(self.optimizer.param_groups[0]["lr"])  # the rate of this update (the schedule moves on)
+        self.optimizer.step()
+        self.end_step(step)
+        return norm
+
+    def sum_tied(self, step: int) -> None:
+        """Sum the gradients of every tied pair over the ranks that hold either end (blocking, pair by pair)."""
         for k, (ends, ranks) in enumerate(self.tied):  # (offloaded: the sums travel through the device, by pair)
+            fill_grads(ends)
             total = ends[0].grad.to(self.device)  # summed in place: one pass per other end, no stacked copy
             for p in ends[1:]:
                 total.add_(p.grad.to(self.device))
@@ -132,14 +142,16 @@ class StageState:
             for p in ends:
                 if p.grad is not total:
                     p.grad.copy_(total)
-        norm = 0.0
-        if self.clip > 0:
-            def allreduce(sq: torch.Tensor) -> torch.Tensor:
-                return self.comm.allreduce(sq.to(self.device), None, f"global gradient norm in step {step}")
 
-            norm = clip_grad_norm_global(self.params, self.clip, allreduce, self.norm_params)
-        self.lr = float(self.optimizer.param_groups[0]["lr"])  # the rate of this update (the schedule moves on)
-        self.optimizer.step()
+    def norm_allreduce(self, step: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The sum over every rank of a squared gradient norm (one allreduce over all ranks: a global barrier)."""
+        def allreduce(sq: torch.Tensor) -> torch.Tensor:
+            return self.comm.allreduce(sq.to(self.device), None, f"global gradient norm in step {step}")
+
+        return allreduce
+
+    def end_step(self, step: int) -> None:
+        """After the update: advance the LR schedule, drop the gradients (sharded: send the owned parameters)."""
         self.lr_schedule.step()
         if self.sharded:
             for p in self.params:  # the optimizer's zero_grad reaches only the owned ones
@@ -147,7 +159,6 @@ class StageState:
             self.sharded.broadcast(step)  # after the gradients are gone: its buckets take their place
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        return norm
 
     def state(self) -> dict[StageKey, dict[str, torch.Tensor]]:
         """CPU copies of every stage replica's parameters, keyed by (pipe, stage)."""
@@ -167,6 +178,13 @@ class StageState:
                 h.update(self._current(p).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
             out[key] = h.hexdigest()
         return out
+
+
+def fill_grads(params: Iterable[torch.nn.Parameter]) -> None:
+    """A zero gradient for every parameter of ``params`` that has none (no micro-batch reached it)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def _same(p: torch.nn.Parameter) -> torch.nn.Parameter:

@@ -35,6 +35,7 @@ from chimera.runtime.compute import StageCompute
 from chimera.runtime.executor import Executor, segments
 from chimera.runtime.handlers import handlers_for, register_handler
 from chimera.runtime.ledger import MemoryLedger
+from chimera.runtime.post_validate import PostValidation
 from chimera.runtime.stage_state import StageState, tied_ranks
 from chimera.runtime.step_state import StepState
 from chimera.schedule import Action, Kind
@@ -62,6 +63,7 @@ class StepResult:
     gc_s: float = 0.0  # seconds of Python garbage collection after the step (--python-gc step), in step_time_s
     group_ops: dict[str, int] = field(default_factory=dict)  # process group -> operations posted on it
     lr: float = 0.0  # the learning rate of the step's update
+    update: str = ""  # --post-validate: what the validation decided (kept, redone, skipped)
 
 
 class PipelineWorker:
@@ -100,6 +102,7 @@ class PipelineWorker:
         self.comm = Communicator(sched, self.rank, tied_ranks(self.job).values(), t.timeout_s, self.name, t.comm_payload,
                                  host_stages)
         self.stages = StageState(self.job, self.worker, self.dp_rank, self.device, self.comm)
+        self.post = PostValidation(self.stages) if t.post_validate else None
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if t.amp and self.device.type == "cuda"
                     else nullcontext())
         self.budget = self.job.memory_budget
@@ -164,7 +167,7 @@ class PipelineWorker:
                                f"more than --memory-per-worker ({self.budget} bytes): {held}; raise the budget or "
                                "offload more (--offload)")
         events = rec.finish() if rec else []
-        loss_sum, loss_count, grad_norm = float(st.loss_sum), st.loss_count, st.grad_norm
+        loss_sum, loss_count, grad_norm, update = float(st.loss_sum), st.loss_count, st.grad_norm, st.update
         del st  # its garbage goes in this step's collection
         gc_s = self.collector.after_step()
         elapsed = time.perf_counter() - t_start
@@ -173,7 +176,7 @@ class PipelineWorker:
         return StepResult(step, self.rank, loss_sum, loss_count, elapsed, grad_norm, events, digests,
                           self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {},
                           self.stages.host.moved if self.stages.host else 0, held, gc_s, self.comm.group_ops(),
-                          self.stages.lr)
+                          self.stages.lr, update)
 
     def save(self, step: int) -> str:
         """Write a checkpoint of the state after ``step`` (the last step run) now, on every rank at once; returns
@@ -185,6 +188,20 @@ class PipelineWorker:
     def _optimizer_step(self, a: Action, st: StepState) -> None:
         self.batches.wait_sends()
         st.grad_norm = self.stages.optimizer_step(st.step)
+
+    def _post_validation(self) -> PostValidation:
+        if self.post is None:  # pragma: no cover - the compiler lowers these kinds only with --post-validate
+            raise RuntimeError(f"{self.name}: a post-validated step in a job without post_validate")
+        return self.post
+
+    def _stage_update(self, a: Action, st: StepState) -> None:
+        post = self._post_validation()
+        if not post.updated_any:  # the first: the tied sums (blocking) run in it
+            self.batches.wait_sends()
+        post.update((a.pipe, a.stage), st.step)
+
+    def _validate(self, a: Action, st: StepState) -> None:
+        st.grad_norm, st.update = self._post_validation().validate(st.step)
 
     def _what(self, a: Action, step: int) -> str:
         return (f"{a.kind.value} {a.text()} ({a.kind.spec.name}; pipe {a.pipe}, stage {a.stage}, micro-batch "
@@ -225,6 +242,8 @@ register_handler(Kind.ALLREDUCE_START, lambda w: lambda a, st: w.stages.buckets[
 register_handler(Kind.ALLREDUCE_WAIT,
                  lambda w: lambda a, st: w.stages.buckets[(a.pipe, a.stage)].wait(lambda: w._what(a, st.step)))
 register_handler(Kind.OPTIMIZER_STEP, lambda w: w._optimizer_step)
+register_handler(Kind.STAGE_UPDATE, lambda w: w._stage_update)
+register_handler(Kind.VALIDATE, lambda w: w._validate)
 register_handler(Kind.SWAP_IN, _swap("swap_in"))
 register_handler(Kind.SWAP_OUT, _swap("swap_out"))
 register_handler(Kind.GRAD_OUT, _swap("grads_out"))

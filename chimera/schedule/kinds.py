@@ -103,6 +103,8 @@ class Kind(str):
     ALLREDUCE_START: Kind
     ALLREDUCE_WAIT: Kind
     OPTIMIZER_STEP: Kind
+    STAGE_UPDATE: Kind
+    VALIDATE: Kind
     SWAP_IN: Kind
     SWAP_OUT: Kind
     GRAD_OUT: Kind
@@ -299,6 +301,14 @@ register_kind("ALLREDUCE_WAIT", KindSpec("gradient allreduce wait", "AR_WAIT", R
                                          busy="sync_wait", family="sync"))
 register_kind("OPTIMIZER_STEP", KindSpec("optimizer step", "OPT", Role.UPDATE, Address.NONE, cost="optimizer",
                                          family="update"))
+# post-validated steps (chimera.schedule.lowering.post_validate): each stage replica updated as soon as its
+# gradients are complete (``stage_update``: a per-stage cost, 0 unless the costs name it), then one check of the
+# global gradient norm per worker, which rolls the updates back and redoes them where clipping or a non-finite norm
+# changes them (the rare case; its cost is not modelled)
+register_kind("STAGE_UPDATE", KindSpec("stage update (post-validated)", "UPDATE", Role.UPDATE, Address.STAGE,
+                                       cost="stage_update", family="update"))
+register_kind("VALIDATE", KindSpec("post-validation of the step", "VALIDATE", Role.UPDATE, Address.NONE,
+                                   family="update"))
 # offload (chimera.offload.lowering): the host holds the current weights, so a swap-out only releases the device
 # copy; gradients move out and are summed on the host
 register_kind("SWAP_IN", KindSpec("weights swap-in", "SWAP_IN", Role.PREFETCH, Address.STAGE, cost="swap_in",

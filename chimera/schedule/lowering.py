@@ -11,6 +11,12 @@ Each pass takes and returns a :class:`Schedule`; :func:`lower` applies them in o
   the stage group (all replicas over both pipes and W groups) has more than one member.
 * :func:`add_optimizer_step`: OPTIMIZER_STEP as the last action of every worker.
 
+:func:`post_validate` (an option, applied after :func:`lower`) replaces every worker's OPTIMIZER_STEP by a
+STAGE_UPDATE of each of its stage replicas, as soon as the replica's gradients are complete (right after its
+ALLREDUCE_WAIT; first, those that have no gradient sum), and one VALIDATE at the end (Zero Bubble's
+post-validation: the global norm is checked after the updates, which are rolled back and redone in the rare case
+that clipping or a non-finite norm changes them).
+
 :func:`split_backward` (an option, not part of :func:`lower`) replaces every full backward B by its
 input-gradient part I and its weight-gradient part W; the allreduce of a stage then starts after its last W.
 """
@@ -155,6 +161,30 @@ def add_grad_sync(schedule: Schedule) -> Schedule:
 def add_optimizer_step(schedule: Schedule) -> Schedule:
     """Append the optimizer step to every worker."""
     return _replace(schedule, actions=[[*row, Action(Kind.OPTIMIZER_STEP)] for row in schedule.actions], lowered=True)
+
+
+def post_validate(schedule: Schedule) -> Schedule:
+    """Every worker's optimizer step split into per-stage updates and one validation (module docstring). The
+    updates follow every compute action of the worker, so the tied gradient sums (blocking, over the ranks holding
+    either end of a tied pair) that the first of them runs wait for no message of this step."""
+    rows = []
+    for w, row in enumerate(schedule.actions):
+        at = [i for i, a in enumerate(row) if a.kind is Kind.OPTIMIZER_STEP]
+        if len(at) != 1 or at[0] != len(row) - 1:
+            raise ValueError(f"worker {w}: post-validation needs one optimizer step, at the end of the list "
+                             "(a schedule lowered by lower() without offload)")
+        waited = {(a.pipe, a.stage) for a in row if a.kind is Kind.ALLREDUCE_WAIT}
+        stages = sorted(schedule.stages_of(w), key=lambda k: (k[1], k[0]))
+        first_wait = next((i for i, a in enumerate(row) if a.kind is Kind.ALLREDUCE_WAIT), len(row) - 1)
+        if any(a.kind.is_compute for a in row[first_wait:]):
+            raise ValueError(f"worker {w}: post-validation needs every gradient-sum wait after the last compute")
+        out = [*row[:first_wait], *(Action(Kind.STAGE_UPDATE, p, s) for p, s in stages if (p, s) not in waited)]
+        for a in row[first_wait:-1]:
+            out.append(a)
+            if a.kind is Kind.ALLREDUCE_WAIT:
+                out.append(Action(Kind.STAGE_UPDATE, a.pipe, a.stage))
+        rows.append([*out, Action(Kind.VALIDATE)])
+    return _replace(schedule, actions=rows, lowered=True)
 
 
 def lower(schedule: Schedule) -> Schedule:

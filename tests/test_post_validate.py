@@ -1,0 +1,146 @@
+"""Post-validated optimizer steps (``--post-validate``): per-stage updates, checked against the global gradient norm at
+the end of the step, rolled back exactly and redone (clipping) or skipped (a non-finite norm)."""
+
+import math
+
+import pytest
+import torch
+
+from chimera.compile import compile_job
+from chimera.config import ConfigError, TrainConfig
+from chimera.runtime import run_local, stage_params_by_layer, train_sequential
+from chimera.schedule import Costs, Kind, build_schedule, lower, post_validate, validate
+from chimera.schedule.steps import simulate_steps
+from tests.postval_chain import POISONED
+
+pytestmark = pytest.mark.timeout(120)
+
+MLP = TrainConfig.from_flags(chain="tests.postval_chain:mlp", micro_batch_size=2, steps=5, optimizer="adamw", lr=1e-2,
+                             timeout_s=60, threads=1, partition="uniform", check_replicas=True, post_validate=True)
+
+
+def _states(res) -> dict:  # noqa: ANN001
+    return {(rank, key, name): t for rank, state in res.states.items() for key, params in state.items()
+            for name, t in params.items()}
+
+
+def assert_reference(job, res) -> None:  # noqa: ANN001
+    """Per-step loss within 1e-6, the norm within 1e-5 relative (both NaN where not finite), every parameter within
+    1e-5 of sequential training with the same post-validation semantics; every parameter finite."""
+    ref = train_sequential(job)
+    for m, loss, norm in zip(res.metrics, ref.losses, ref.grad_norms):
+        assert abs(m["loss"] - loss) <= 1e-6, (m["step"], m["loss"], loss)
+        assert (math.isnan(m["grad_norm"]) and math.isnan(norm)) or \
+            abs(m["grad_norm"] - norm) <= 1e-5 * max(1.0, norm), (m["step"], m["grad_norm"], norm)
+    for state in res.states.values():
+        for (_, stage), params in state.items():
+            for k, v in stage_params_by_layer(params, job.stage_layers[stage]).items():
+                assert torch.isfinite(v).all(), (stage, k)
+                assert (v - ref.params[k]).abs().max().item() <= 1e-5, (stage, k)
+
+
+# a clip threshold between the runs' norms (about 0.31 to 0.37): some steps keep their updates, others redo them;
+# chimera at D = 2 with LAMB (a per-group step counter, which every stage's update must start from)
+MIXED = {
+    "1f1b-D2": MLP.with_flags(schedule="1f1b", stages=2, micro_batches=4, clip_grad=0.35),
+    "chimera-D2-lamb": MLP.with_flags(schedule="chimera", stages=2, micro_batches=4, clip_grad=0.35, optimizer="lamb"),
+    "chimera-D4": MLP.with_flags(schedule="chimera", stages=4, micro_batches=4, clip_grad=0.35),
+}
+
+
+@pytest.mark.parametrize("cfg", MIXED.values(), ids=MIXED.keys())
+def test_kept_and_redone_steps_match_the_drained_step_bit_for_bit(cfg):
+    """Steps whose norm stays under the clip keep their per-stage updates, steps that clip roll them back and redo
+    them: either way every parameter, loss and norm is bitwise the drained step's (the flag off), and the run is
+    sequential training's."""
+    job = compile_job(cfg)
+    got = run_local(job, return_state=True)
+    drained = run_local(compile_job(cfg.with_flags(post_validate=False)), return_state=True)
+    outcomes = [m["update"] for m in got.metrics]
+    assert {"kept", "redone"} <= set(outcomes), outcomes
+    assert "update" not in drained.metrics[0]
+    for m, d in zip(got.metrics, drained.metrics):
+        assert (m["loss"], m["grad_norm"]) == (d["loss"], d["grad_norm"]), m["step"]
+    mine, theirs = _states(got), _states(drained)
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(t, theirs[k]) for k, t in mine.items()), [k for k, t in mine.items()
+                                                                     if not torch.equal(t, theirs[k])]
+    assert_reference(job, got)
+
+
+def test_unclipped_steps_keep_every_update():
+    """A clip no norm reaches: every step keeps its optimistic updates; sequential training's result."""
+    job = compile_job(MLP.with_flags(schedule="1f1b", stages=2, micro_batches=2, data_parallel=2, clip_grad=1e9,
+                                     steps=3))
+    res = run_local(job, return_state=True)
+    assert [m["update"] for m in res.metrics] == ["kept"] * 3
+    assert_reference(job, res)
+
+
+INF = {
+    "1f1b-D2-W2": MLP.with_flags(chain="tests.postval_chain:mlp_inf", schedule="1f1b", stages=2, micro_batches=2,
+                                 data_parallel=2, clip_grad=0.35),
+    "chimera-D2-noclip": MLP.with_flags(chain="tests.postval_chain:mlp_inf", schedule="chimera", stages=2,
+                                        micro_batches=4, clip_grad=0.0),
+}
+
+
+@pytest.mark.parametrize("cfg", INF.values(), ids=INF.keys())
+def test_non_finite_step_is_skipped(cfg):
+    """An infinite input in one micro-batch of step 2 makes its gradients NaN (the loss stays finite): the
+    validation rolls every stage's update back, so the weights and AdamW's moments are those before the step, and
+    training goes on as sequential training that skips the step."""
+    job = compile_job(cfg)
+    res = run_local(job, return_state=True)
+    outcomes = [m["update"] for m in res.metrics]
+    assert outcomes[POISONED[0]] == "skipped" and outcomes.count("skipped") == 1, outcomes
+    assert math.isnan(res.metrics[POISONED[0]]["grad_norm"])
+    assert_reference(job, res)
+
+
+def test_lowering_splits_the_optimizer_step():
+    """Every worker: one STAGE_UPDATE per stage replica it holds, right after the replica's gradient-sum wait (or,
+    without one, before the waits), and VALIDATE last instead of the optimizer step; the rest of its list is the
+    drained lowering's."""
+    for sched in (build_schedule("chimera", 4, 4), build_schedule("1f1b", 2, 4, data_parallel=2),
+                  build_schedule("1f1b", 2, 4)):
+        drained = lower(sched)
+        post = validate(post_validate(drained))
+        for w, (old, new) in enumerate(zip(drained.actions, post.actions)):
+            assert [a for a in new if a.kind not in (Kind.STAGE_UPDATE, Kind.VALIDATE)] == list(old[:-1])
+            assert old[-1].kind is Kind.OPTIMIZER_STEP and new[-1].kind is Kind.VALIDATE
+            updates = [(a.pipe, a.stage) for a in new if a.kind is Kind.STAGE_UPDATE]
+            assert sorted(updates) == sorted(sched.stages_of(w))
+            for i, a in enumerate(new):
+                if a.kind is Kind.ALLREDUCE_WAIT:
+                    assert new[i + 1] == type(a)(Kind.STAGE_UPDATE, a.pipe, a.stage)
+            last_compute = max(i for i, a in enumerate(new) if a.kind.is_compute)
+            assert all(i > last_compute for i, a in enumerate(new) if a.kind is Kind.STAGE_UPDATE)
+    with pytest.raises(ValueError, match="one optimizer step"):
+        post_validate(post_validate(lower(build_schedule("1f1b", 2, 2))))
+
+
+def test_flag_off_keeps_the_drained_lowering_and_flag_on_reaches_the_job():
+    off = compile_job(MLP.with_flags(schedule="chimera", stages=2, micro_batches=4, post_validate=False))
+    on = compile_job(MLP.with_flags(schedule="chimera", stages=2, micro_batches=4))
+    assert off.schedule.actions == lower(off.schedule.compute_only()).actions
+    assert on.schedule.actions == post_validate(off.schedule).actions
+    assert (off.run.post_validate, on.run.post_validate) == (False, True)
+
+
+@pytest.mark.parametrize("flags,msg", [({"offload": "optimizer"}, "--post-validate does not combine with --offload"),
+                                       ({"shard_optimizer": True, "data_parallel": 2},
+                                        "--post-validate does not combine with --shard-optimizer")])
+def test_refused_combinations_name_the_flags(flags, msg):
+    with pytest.raises(ConfigError, match=msg):
+        compile_job(MLP.with_flags(schedule="1f1b", stages=2, micro_batches=2, **flags))
+
+
+def test_simulator_prices_stage_updates():
+    """The stage updates cost the ``stage_update`` field (per stage), the validation nothing; the overlapped steps
+    simulator runs the post-validated lists."""
+    lowered = post_validate(lower(build_schedule("1f1b", 2, 4)))
+    free = simulate_steps(lowered, Costs(fwd=1, bwd=2), steps=3)
+    priced = simulate_steps(lowered, Costs(fwd=1, bwd=2, extra=(("stage_update", 5),)), steps=3)
+    assert priced.makespan > free.makespan
+    assert Costs(extra=(("stage_update", [3, 4]),)).of(lowered.actions[1][-2]) == 4  # worker 1: stage 1's update
