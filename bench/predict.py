@@ -12,7 +12,7 @@ Chimera rows are predicted with the runtime's own costs too (:class:`Calibration
 any row starts): the lowered schedule the job runs, every message the gloo ping-pong's one-way time between two
 processes of this machine (and as much of the worker's time to post and complete), every gradient sum one such
 exchange, and every compute action the runtime's fixed time per action of its kind
-(:func:`chimera.profile.runtime.measure_action_costs`). torch.pp rows keep the schedule-only figure: their
+(:func:`chimera.calibrate.measure_action_costs`). torch.pp rows keep the schedule-only figure: their
 runtime's costs are torch's, not measured here.
 
 No prediction (None) for the real-model rows: one-thread stage profiles taken on the shared 2-core development
@@ -44,7 +44,7 @@ class Calibration:
     @staticmethod
     def measure(workers: int) -> Calibration:
         from chimera.profile.comm import measure_comm_local
-        from chimera.profile.runtime import measure_action_costs
+        from chimera.calibrate import measure_action_costs
 
         p2p = measure_comm_local(2, sizes=(512,), reps=200).p2p.latency_s
         return Calibration(p2p, tuple(measure_action_costs(workers).items()))

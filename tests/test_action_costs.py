@@ -1,9 +1,9 @@
 """The runtime's fixed time per action: priced by the simulator per action of its kind (``Costs.fixed``) and
-measured by running the runtime itself (``chimera.profile.runtime``)."""
+measured by running the runtime itself (``chimera.calibrate``)."""
 
 import pytest
 
-from chimera.profile.runtime import KINDS, measure_action_costs
+from chimera.calibrate import KINDS, measure_action_costs
 from chimera.schedule import Costs, build_schedule, simulate
 
 

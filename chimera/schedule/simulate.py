@@ -65,7 +65,7 @@ class Costs:
     ``fixed``: the runtime's own time per action of a kind, whatever it computes or carries, as ``(kind value,
     seconds)`` pairs (``("F", 2e-4)``: dispatching a forward, running the stage's Python, stashing): charged once
     per action (not per micro-batch of a doubled one) on top of its cost; measured by
-    :func:`chimera.profile.runtime.measure_action_costs`.
+    :func:`chimera.calibrate.measure_action_costs`.
     """
 
     fwd: Num | Sequence[Num] = 1
