@@ -43,7 +43,8 @@ class _Worker:
         self.groups: dict[tuple[Kind, str, int], deque[tuple[int, Action]]] = {}
         for i, a in enumerate(seq):
             self.groups.setdefault((a.kind, a.pipe, a.stage), deque()).append((i, a))
-        self.heads = sorted((q[0][0], key) for key, q in self.groups.items())  # each group's next, in that order
+        # each group's next action, in the preferred order (places are unique: the action and key never compare)
+        self.heads = sorted((q[0][0], q[0][1], key) for key, q in self.groups.items())
         self.wires: dict[tuple[Kind, str, int], _Wiring] = {}
         self.cap = cap
         self.defer = defer
@@ -55,11 +56,11 @@ class _Worker:
 
     def take(self, at: int) -> Action:
         """The next action of the group at ``heads[at]``, removed (the group's next one takes its place)."""
-        _, key = self.heads.pop(at)
+        _, a, key = self.heads.pop(at)
         q = self.groups[key]
-        _, a = q.popleft()
+        q.popleft()
         if q:
-            bisect.insort(self.heads, (q[0][0], key))
+            bisect.insort(self.heads, (*q[0], key))
         else:
             del self.groups[key]
         return a
@@ -81,7 +82,9 @@ class _Run:
         return self.done.setdefault((kind, pipe, stage), {})
 
     def wiring(self, a: Action, w: int) -> _Wiring:
-        """What main actions of ``a``'s kind, pipe and stage on worker ``w`` wait for and send (fixed per group)."""
+        """What main actions of ``a``'s kind, pipe and stage on worker ``w`` wait for and send (fixed per group):
+        the end times they wait for, the channel their input comes in on (and its message, less the micro-batch),
+        the channel they send on, and where their own end times go."""
         key = (a.kind, a.pipe, a.stage, w)
         hit = self._wiring.get(key)
         if hit is None:
@@ -90,31 +93,33 @@ class _Run:
             needs = [self._ends(Kind.F, a.pipe, s - 1)] if f and s > 0 else [] if f else [
                 self._ends(Kind.F, a.pipe, s), *([self._ends(_I, a.pipe, s + 1)] if s < self.stages - 1 else [])]
             src, dst = (s - 1, s + 1) if f else (s + 1, s - 1)
-            inbound = outbound = None
+            inbound = outbound = expect = None
             if 0 <= src < self.stages and self.place[(a.pipe, src)] != w:  # its input comes from another worker
-                inbound = ((self.place[(a.pipe, src)], w, a.pipe), Kind.F if f else _I, src)
+                inbound = (self.place[(a.pipe, src)], w, a.pipe)
+                expect = (Kind.F if f else _I, a.pipe, src)
             if 0 <= dst < self.stages and self.place[(a.pipe, dst)] != w:
-                outbound = (w, self.place[(a.pipe, dst)], a.pipe)
-            hit = self._wiring[key] = (needs, inbound, outbound, self._ends(a.kind, a.pipe, s))
+                outbound = self.channels.setdefault((w, self.place[(a.pipe, dst)], a.pipe), deque())
+            hit = self._wiring[key] = (tuple(needs), inbound, outbound, self._ends(a.kind, a.pipe, s), expect)
         return hit
 
     def start(self, a: Action, w: int, end: Any) -> None:
         if a.kind is _W:
             ends = self._ends(a.kind, a.pipe, a.stage)
-            for m in range(a.microbatch, a.microbatch + a.count):
-                ends[m] = end
+        else:
+            _, inbound, outbound, ends, _ = self.wiring(a, w)
+            if inbound is not None:
+                self.channels[inbound].popleft()
+            if outbound is not None:
+                outbound.append((a.kind, a.pipe, a.stage, a.microbatch))
+        if a.count == 1:
+            ends[a.microbatch] = end
             return
-        _, inbound, outbound, ends = self.wiring(a, w)
         for m in range(a.microbatch, a.microbatch + a.count):
             ends[m] = end
-        if inbound is not None:
-            self.channels[inbound[0]].popleft()
-        if outbound is not None:
-            self.channels.setdefault(outbound, deque()).append((a.kind, a.pipe, a.stage, a.microbatch))
 
 
-_Wiring = tuple[list[dict[int, Any]], tuple[tuple[int, int, str], Kind, int] | None, tuple[int, int, str] | None,
-                dict[int, Any]]
+_Wiring = tuple[tuple[dict[int, Any], ...], tuple[int, int, str] | None, deque[tuple[Kind, str, int, int]] | None,
+                dict[int, Any], tuple[Kind, str, int] | None]
 
 
 def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: Sequence[Sequence[Action]],
@@ -153,16 +158,18 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
 def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool) -> Action | None:
     """The action ``w`` starts at ``t`` (or None), removed from what it still has to run."""
     best = None
-    groups, wires = w.groups, w.wires
-    for at, (_, key) in enumerate(w.heads[:1] if in_order else w.heads):  # the preferred order's first of each
-        a = groups[key][0][1]                                            # group (one stage keeps micro-batch order)
-        if a.kind is not _I and (best is not None or (w.cap is not None and w.live + a.count > w.cap) or (
-                w.defer is not None and w.held + a.count > w.defer)):
+    wires, heads, channels = w.wires, w.heads, run.channels
+    cap, defer = w.cap, w.defer
+    for at in range(min(1, len(heads)) if in_order else len(heads)):  # the preferred order's first of each group
+        _, a, key = heads[at]                                            # (one stage keeps micro-batch order)
+        first, count = a.microbatch, a.count
+        if a.kind is not _I and (best is not None or (cap is not None and w.live + count > cap) or (
+                defer is not None and w.held + count > defer)):
             continue  # only the first forward that may start, and only if no I may
         wire = wires.get(key)
         if wire is None:
             wire = wires[key] = run.wiring(a, me)
-        if not _ready(a, wire, run.channels, t):
+        if not _ready(first, count, wire, channels, t):
             continue
         best = at
         if a.kind is _I:
@@ -179,16 +186,16 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool) -> Action | No
     return _run_w(w) if w.pending_w else None  # its I has finished: the worker was busy with it until now
 
 
-def _ready(a: Action, wire: _Wiring, channels: dict[tuple[int, int, str], deque[Any]], t: Any) -> bool:
-    """Whether main action ``a`` (of the group wired so) can start at ``t``: what it consumes was made by then,
-    and its input is the next message of its channel."""
-    needs, inbound, _, _ = wire
-    for m in range(a.microbatch, a.microbatch + a.count):
-        for ends in needs:
+def _ready(first: int, count: int, wire: _Wiring, channels: dict[tuple[int, int, str], deque[Any]], t: Any) -> bool:
+    """Whether the main action on micro-batches ``first`` .. ``first + count - 1`` of the group wired so can start
+    at ``t``: what it consumes was made by then, and its input is the next message of its channel."""
+    needs, inbound, _, _, expect = wire
+    for ends in needs:
+        for m in range(first, first + count) if count > 1 else (first,):
             end = ends.get(m)
             if end is None or end > t:
                 return False
-    return inbound is None or channels[inbound[0]][0] == (inbound[1], a.pipe, inbound[2], a.microbatch)
+    return inbound is None or channels[inbound][0] == (*expect, first)
 
 
 def _run_w(w: _Worker) -> Action:

@@ -127,6 +127,7 @@ class _Track:
 
 
 Deps = tuple[tuple[int, int], ...]
+_RULED = (Role.COMPUTE, Role.SEND, Role.RECV, Role.SYNC_START, Role.SYNC_WAIT, Role.UPDATE, Role.COPY, Role.PREFETCH)
 
 
 class _Build:
@@ -169,16 +170,21 @@ class _Build:
         self.templates: dict[Key, Any] = {}  # per kind, pipe, stage (count, worker): what its actions touch
         self._kinds()
 
-    def _kinds(self) -> None:
-        """Per kind, from the table: its role's method, what it consumes, what it makes that others await."""
+    def _handlers(self) -> dict[Kind, Callable[[int, int, Action], tuple[Deps, int] | None]]:
+        """Per kind, its role's method. Not kept on the instance: bound methods there would make every build a
+        reference cycle, which only the cyclic collector frees (the planner pauses it)."""
         by_role: dict[Role, Callable[[int, int, Action], tuple[Deps, int] | None]] = {
             Role.COMPUTE: self._compute, Role.SEND: self._send, Role.RECV: self._recv,
             Role.SYNC_START: self._sync_start, Role.SYNC_WAIT: self._sync_wait, Role.UPDATE: self._update,
             Role.COPY: self._update, Role.PREFETCH: self._prefetch}
-        unknown = {spec.role for spec in SPECS.values()} - set(by_role)
+        return {kind: by_role[spec.role] for kind, spec in SPECS.items()}
+
+    def _kinds(self) -> None:
+        """Per kind, from the table: what it consumes, what it makes that others await (and that replay has a rule
+        for its role)."""
+        unknown = {spec.role for spec in SPECS.values()} - set(_RULED)
         if unknown:
             raise ValueError(f"replay has no rule for the role(s) {sorted(map(str, unknown))} of the kinds table")
-        self.handler = {kind: by_role[spec.role] for kind, spec in SPECS.items()}
         self.blocking = {kind: spec.role in (Role.RECV, Role.SYNC_WAIT) for kind, spec in SPECS.items()}
         self.uses = {kind: tuple((u.res, u.offset) for u in spec.consumes) for kind, spec in SPECS.items()}
         # what a compute action makes that another compute action waits for (weight gradients wait for nobody)
@@ -186,7 +192,7 @@ class _Build:
         self.made = {kind: tuple(r for r in spec.produces if r in awaited) for kind, spec in SPECS.items()}
 
     def run(self) -> None:
-        handler, blocking = self.handler, self.blocking
+        handler, blocking = self._handlers(), self.blocking
         order, prev, deps_of, slot_of, waits = self.order, self.prev, self.deps, self.slot, self.waits
         while self.stack:
             w = self.stack.pop()
