@@ -124,7 +124,11 @@ class MemoryWalk:
         row = schedule.actions[w]
         evicted = {(a.pipe, a.stage) for a in row if SPECS[a.kind].memory.resident is False}  # start off device
         resident = tuple(int(ps not in evicted) for ps in pairs)
-        states: set[tuple[tuple[int, ...], ...]] = set()
+        # distinct states in the order first seen, keyed by their stash counts and the index of the rest (which
+        # changes rarely: hashing the whole nested state per action was most of the walk)
+        seen: dict[tuple[tuple[int, ...], int], None] = {}
+        rests: dict[tuple[tuple[int, ...], ...], int] = {}
+        rest_of: dict[tuple[Kind, int, int], int] = {}  # per kind, slot and count while grads, flats, resident hold
         effects = {kind: _effect(kind) for kind in SPECS}
         for a in row:  # every kind by its row of the kinds table: its memory effect and activation change
             k = slot.get((a.pipe, a.stage))
@@ -136,20 +140,34 @@ class MemoryWalk:
                 live[k] += change
             if g and not grads[k]:
                 grads = put(grads, k, 1)
+                rest_of = {}
             if flat and not flats[k]:
                 flats = put(flats, k, 1)
+                rest_of = {}
             if res and not resident[k]:
                 resident = put(resident, k, 1)
+                rest_of = {}
             if peak:
-                c = at(k, a.count)
-                states.add((tuple(live), grads, c if recompute else zero, c if out else zero, c if inn else zero,
-                            flats, resident, at(k, 1) if pack else zero))
+                r = rest_of.get((a.kind, k, a.count))
+                if r is None:
+                    c = at(k, a.count)
+                    rest = (grads, c if recompute else zero, c if out else zero, c if inn else zero, flats, resident,
+                            at(k, 1) if pack else zero)
+                    r = rest_of[(a.kind, k, a.count)] = rests.setdefault(rest, len(rests))
+                seen[(tuple(live), r)] = None
             if change < 0:
                 live[k] += change
             if g is False and grads[k]:
                 grads = put(grads, k, 0)
+                rest_of = {}
             if res is False and resident[k]:
                 resident = put(resident, k, 0)
+                rest_of = {}
+        by_index = list(rests)
+        # the same set, built from the distinct states in the same order: it iterates alike
+        states: set[tuple[tuple[int, ...], ...]] = set()
+        for live_at, r in seen:
+            states.add((live_at, *by_index[r]))
         if not schedule.lowered:  # the step's end: every stage's gradient sum started (a lowered list says when)
             states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident, zero))
         return held, groups, _maximal(states)

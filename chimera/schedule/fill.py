@@ -49,7 +49,7 @@ class _Worker:
         self.cap = cap
         self.defer = defer
         self.out: list[Action] = []
-        self.pending_w: deque[Action] = deque()
+        self.pending_w: deque[tuple[Action, dict[int, Any]]] = deque()  # and where its end time goes
         self.live = 0  # micro-batches forwarded, not yet through I
         self.held = 0  # micro-batches forwarded, not yet through W
         self.free_at = 0
@@ -84,7 +84,7 @@ class _Run:
     def wiring(self, a: Action, w: int) -> _Wiring:
         """What main actions of ``a``'s kind, pipe and stage on worker ``w`` wait for and send (fixed per group):
         the end times they wait for, the channel their input comes in on (and its message, less the micro-batch),
-        the channel they send on, and where their own end times go."""
+        the channel they send on, where their own end times go and (an I) where its W's go."""
         key = (a.kind, a.pipe, a.stage, w)
         hit = self._wiring.get(key)
         if hit is None:
@@ -99,14 +99,14 @@ class _Run:
                 expect = (Kind.F if f else _I, a.pipe, src)
             if 0 <= dst < self.stages and self.place[(a.pipe, dst)] != w:
                 outbound = self.channels.setdefault((w, self.place[(a.pipe, dst)], a.pipe), deque())
-            hit = self._wiring[key] = (tuple(needs), inbound, outbound, self._ends(a.kind, a.pipe, s), expect)
+            wends = self._ends(_W, a.pipe, s) if a.kind is _I else None
+            hit = self._wiring[key] = (tuple(needs), inbound, outbound, self._ends(a.kind, a.pipe, s), expect, wends)
         return hit
 
-    def start(self, a: Action, w: int, end: Any) -> None:
-        if a.kind is _W:
-            ends = self._ends(a.kind, a.pipe, a.stage)
-        else:
-            _, inbound, outbound, ends, _ = self.wiring(a, w)
+    def start(self, a: Action, ends: dict[int, Any], wire: _Wiring | None, end: Any) -> None:
+        """``a`` starts and ends at ``end`` (its group's end times ``ends``; a main action's wiring ``wire``)."""
+        if wire is not None:
+            inbound, outbound = wire[1], wire[2]
             if inbound is not None:
                 self.channels[inbound].popleft()
             if outbound is not None:
@@ -119,7 +119,7 @@ class _Run:
 
 
 _Wiring = tuple[tuple[dict[int, Any], ...], tuple[int, int, str] | None, deque[tuple[Kind, str, int, int]] | None,
-                dict[int, Any], tuple[Kind, str, int] | None]
+                dict[int, Any], tuple[Kind, str, int] | None, dict[int, Any] | None]
 
 
 def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: Sequence[Sequence[Action]],
@@ -138,14 +138,15 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
         for i, w in enumerate(workers):
             if w.free_at > t:
                 continue
-            a = _pick(w, i, t, run, in_order)
-            if a is None:
+            picked = _pick(w, i, t, run, in_order)
+            if picked is None:
                 continue
+            a, ends, wire = picked
             key = (a.kind, a.stage, a.count)
             if key not in cost:
                 cost[key] = costs.of(a)
             w.free_at = t + cost[key]
-            run.start(a, i, w.free_at)
+            run.start(a, ends, wire, w.free_at)
             w.out.append(a)
             heapq.heappush(events, w.free_at)
     stuck = [i for i, w in enumerate(workers) if w.groups or w.pending_w]
@@ -155,9 +156,11 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
     return [w.out for w in workers]
 
 
-def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool) -> Action | None:
-    """The action ``w`` starts at ``t`` (or None), removed from what it still has to run."""
-    best = None
+def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool
+          ) -> tuple[Action, dict[int, Any], _Wiring | None] | None:
+    """The action ``w`` starts at ``t`` (or None), removed from what it still has to run, with where its end time
+    goes and (a main action) its wiring."""
+    best = best_wire = None
     wires, heads, channels = w.wires, w.heads, run.channels
     cap, defer = w.cap, w.defer
     for at in range(min(1, len(heads)) if in_order else len(heads)):  # the preferred order's first of each group
@@ -171,7 +174,7 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool) -> Action | No
             wire = wires[key] = run.wiring(a, me)
         if not _ready(first, count, wire, channels, t):
             continue
-        best = at
+        best, best_wire = at, wire
         if a.kind is _I:
             break
     if best is not None:
@@ -181,15 +184,15 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool) -> Action | No
             w.held += a.count
         else:
             w.live -= a.count
-            w.pending_w.append(Action(_W, a.pipe, a.stage, a.microbatch, a.count))
-        return a
+            w.pending_w.append((Action(_W, a.pipe, a.stage, a.microbatch, a.count), best_wire[5]))
+        return a, best_wire[3], best_wire
     return _run_w(w) if w.pending_w else None  # its I has finished: the worker was busy with it until now
 
 
 def _ready(first: int, count: int, wire: _Wiring, channels: dict[tuple[int, int, str], deque[Any]], t: Any) -> bool:
     """Whether the main action on micro-batches ``first`` .. ``first + count - 1`` of the group wired so can start
     at ``t``: what it consumes was made by then, and its input is the next message of its channel."""
-    needs, inbound, _, _, expect = wire
+    needs, inbound, _, _, expect, _ = wire
     for ends in needs:
         for m in range(first, first + count) if count > 1 else (first,):
             end = ends.get(m)
@@ -198,10 +201,10 @@ def _ready(first: int, count: int, wire: _Wiring, channels: dict[tuple[int, int,
     return inbound is None or channels[inbound][0] == (*expect, first)
 
 
-def _run_w(w: _Worker) -> Action:
-    a = w.pending_w.popleft()
+def _run_w(w: _Worker) -> tuple[Action, dict[int, Any], None]:
+    a, ends = w.pending_w.popleft()
     w.held -= a.count
-    return a
+    return a, ends, None
 
 
 def _as_inputs(row: Sequence[Action]) -> list[Action]:

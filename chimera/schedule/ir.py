@@ -226,7 +226,7 @@ class Schedule:
 
     def compute_only(self) -> Schedule:
         """The same schedule with only F and B actions (itself where it has no other)."""
-        if not self.lowered and all(a.kind.is_compute for row in self.actions for a in row):
+        if not self.lowered and all(k.is_compute for k in {a.kind for row in self.actions for a in row}):
             return self
         acts = tuple(tuple(a for a in row if a.kind.is_compute) for row in self.actions)
         return _replace(self, actions=acts, lowered=False)

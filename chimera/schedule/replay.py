@@ -246,9 +246,10 @@ class _Build:
         return slot
 
     def _compute(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
-        template = self.templates.get((a.kind, a.pipe, a.stage, a.count, w))
+        key = (a.kind, a.pipe, a.stage, a.count, w)
+        template = self.templates.get(key)
         if template is None:
-            template = self.templates[(a.kind, a.pipe, a.stage, a.count, w)] = self._compute_template(w, a)
+            template = self.templates[key] = self._compute_template(w, a)
         needs, makes, slot = template
         first, count = a.microbatch, a.count
         deps = []
@@ -264,13 +265,17 @@ class _Build:
                 if made_by is None:
                     return self._block(w, track, m)
                 deps.append((made_by, delay))
-        fetched = self.fetched.get((w, a.pipe, a.stage)) if self.fetched else None
-        if fetched is not None:  # the weights' copy ends before the compute starts
-            deps.append((fetched, 1 + self.stages + a.stage))
+        if self.fetched:
+            fetched = self.fetched.get((w, a.pipe, a.stage))
+            if fetched is not None:  # the weights' copy ends before the compute starts
+                deps.append((fetched, 1 + self.stages + a.stage))
         self.compute[w].append(i)
-        for track in makes:
-            for m in range(first, first + count):
-                self._finish(track, m, i)
+        for track in makes:  # made: wake whoever waits for it (_finish, inline)
+            made, waiting = track.made, track.waiting
+            for m in range(first, first + count) if count > 1 else (first,):
+                made[m] = i
+                if waiting and m in waiting:
+                    self.stack.extend(waiting.pop(m))
         return tuple(deps), slot
 
     def _compute_template(self, w: int, a: Action) -> tuple[tuple[tuple[_Track, int], ...], tuple[_Track, ...], int]:
