@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import ge
+from operator import ge, mul
 from typing import Any
 
 from chimera.offload.policy import Offload
@@ -100,6 +100,8 @@ class MemoryWalk:
 
     def __init__(self, schedule: Schedule) -> None:
         self.workers = [self._walk(schedule, w) for w in range(schedule.workers)]
+        #: per worker, each state's counts but the last (what a stage computes now) as one tuple
+        self.flat = [[sum(state[:7], ()) for state in states] for _, _, states in self.workers]
 
     @staticmethod
     def _walk(schedule: Schedule, w: int) -> tuple[list[int], list[int], list[tuple[tuple[int, ...], ...]]]:
@@ -210,7 +212,8 @@ def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[S
     off = offload or Offload()
     stages = _stages(profile, stage_layers, unit, optimizer, recompute, off)
     walk = walk or MemoryWalk(schedule)
-    return [_worker(held, groups, states, stages, exchange, off) for held, groups, states in walk.workers]
+    return [_worker(held, groups, states, stages, exchange, off, flat)
+            for (held, groups, states), flat in zip(walk.workers, walk.flat)]
 
 
 def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
@@ -234,27 +237,46 @@ def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Seq
     return out
 
 
-def _worker(held: list[int], groups: list[int], states: set[tuple[tuple[int, ...], ...]], stages: list[_Stage],
-            exchange: bool, offload: Offload) -> WorkerMemory:
+def _worker(held: list[int], groups: list[int], states: Sequence[tuple[tuple[int, ...], ...]], stages: list[_Stage],
+            exchange: bool, offload: Offload, flat: Sequence[tuple[int, ...]] | None = None) -> WorkerMemory:
+    """The peak of one worker over its ``states`` (``flat``: the same states as one tuple of their first seven
+    counts each, :attr:`MemoryWalk.flat`, which prices them faster where no stage moves weights in packs)."""
     st = [stages[s] for s in held]
     opt = sum(x.optimizer for s, x in zip(held, st) if not offload.optimizer_at(s))
     # offloaded gradients are summed over host buffers: no device buffers for that stage's sum
     device_sync = [not offload.gradients_at(s) for s in held]
     preposted = sum(x.bucket for x, n, d in zip(st, groups, device_sync) if exchange and n == 2 and d)
     extra = [x.full_stash if x.stash != x.full_stash else 0 for x in st]  # a recomputing backward's transient
-    peak, peak_total = WorkerMemory(0, opt, 0, 0, 0, preposted), 0
     packed = [offload.packed_at(s) for s in held]
-    for live, grads, transient, out, inn, flats, resident, computing in states:
+    summed = [x.bucket if n > 1 and d else 0 for x, n, d in zip(st, groups, device_sync)]
+
+    def priced(state: tuple[tuple[int, ...], ...]) -> WorkerMemory:
+        live, grads, transient, out, inn, flats, resident, computing = state
         params = sum(x.params if not p else x.pack_peak * c for r, c, x, p in zip(resident, computing, st, packed)
                      if r or p)
         act = sum(c * x.stash + t * e for c, t, x, e in zip(live, transient, st, extra))
         # in packs, gradients leave as the backward makes them: one pack's at most, only while it computes
         g = sum((x.pack_max * c if p else x.params) for f, c, x, p in zip(grads, computing, st, packed) if f)
         msgs = sum(o * x.msg_out + i * x.msg_in for o, i, x in zip(out, inn, st))
-        sync = preposted + sum(x.bucket for f, x, n, d in zip(flats, st, groups, device_sync) if f and n > 1 and d)
-        total = params + opt + g + act + msgs + sync
-        if total > peak_total:
-            peak_total, peak = total, WorkerMemory(params, opt, g, act, msgs, sync)
+        sync = preposted + sum(b for f, b in zip(flats, summed) if f)
+        return WorkerMemory(params, opt, g, act, msgs, sync)
+
+    if flat is not None and not any(packed):
+        # unpacked, every category is linear in the counts (flags are 0 or 1): one dot product per state, the
+        # first of the largest priced in full (the same state the loop below keeps)
+        params = [x.params for x in st]
+        coef = (*(x.stash for x in st), *params, *extra, *(x.msg_out for x in st), *(x.msg_in for x in st), *summed,
+                *params)
+        totals = [sum(map(mul, f, coef)) for f in flat]
+        top = max(totals, default=0)
+        if not totals or top + opt + preposted <= 0:
+            return WorkerMemory(0, opt, 0, 0, 0, preposted)
+        return priced(states[totals.index(top)])
+    peak, peak_total = WorkerMemory(0, opt, 0, 0, 0, preposted), 0
+    for state in states:
+        m = priced(state)
+        if m.total > peak_total:
+            peak_total, peak = m.total, m
     return peak
 
 

@@ -172,7 +172,14 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool
         wire = wires.get(key)
         if wire is None:
             wire = wires[key] = run.wiring(a, me)
-        if not _ready(first, count, wire, channels, t):
+        # ready: what it consumes was made by t, and its input is the next message of its channel
+        needs, inbound, _, _, expect, _ = wire
+        if count == 1:
+            if any((end := ends.get(first)) is None or end > t for ends in needs):
+                continue
+        elif not _made(needs, first, count, t):
+            continue
+        if inbound is not None and channels[inbound][0] != (*expect, first):
             continue
         best, best_wire = at, wire
         if a.kind is _I:
@@ -189,16 +196,14 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool
     return _run_w(w) if w.pending_w else None  # its I has finished: the worker was busy with it until now
 
 
-def _ready(first: int, count: int, wire: _Wiring, channels: dict[tuple[int, int, str], deque[Any]], t: Any) -> bool:
-    """Whether the main action on micro-batches ``first`` .. ``first + count - 1`` of the group wired so can start
-    at ``t``: what it consumes was made by then, and its input is the next message of its channel."""
-    needs, inbound, _, _, expect, _ = wire
+def _made(needs: tuple[dict[int, Any], ...], first: int, count: int, t: Any) -> bool:
+    """Whether every end time in ``needs`` of micro-batches ``first`` .. ``first + count - 1`` is known and by ``t``."""
     for ends in needs:
-        for m in range(first, first + count) if count > 1 else (first,):
+        for m in range(first, first + count):
             end = ends.get(m)
             if end is None or end > t:
                 return False
-    return inbound is None or channels[inbound][0] == (*expect, first)
+    return True
 
 
 def _run_w(w: _Worker) -> tuple[Action, dict[int, Any], None]:

@@ -192,22 +192,26 @@ class _Build:
         self.made = {kind: tuple(r for r in spec.produces if r in awaited) for kind, spec in SPECS.items()}
 
     def run(self) -> None:
-        handler, blocking = self._handlers(), self.blocking
-        order, prev, deps_of, slot_of, waits = self.order, self.prev, self.deps, self.slot, self.waits
-        while self.stack:
-            w = self.stack.pop()
+        handlers = self._handlers()
+        rule = {kind: (handlers[kind], self.blocking[kind]) for kind in handlers}
+        order, prev, deps_of, slot_of = self.order.append, self.prev.append, self.deps.append, self.slot.append
+        waits, stack = self.waits, self.stack
+        while stack:
+            w = stack.pop()
             row, base, last, i = self.rows[w], self.bounds[w], self.last[w], self.pc[w]
-            while i < len(row):
+            n = len(row)
+            while i < n:
                 a = row[i]
                 k = base + i
-                ran = handler[a.kind](w, k, a)
+                handler, blocking = rule[a.kind]
+                ran = handler(w, k, a)
                 if ran is None:
                     break  # blocked; woken when what it waits for is made
-                order.append(k)
-                prev.append(last)
-                deps_of.append(ran[0])
-                slot_of.append(ran[1])
-                if blocking[a.kind]:
+                order(k)
+                prev(last)
+                deps_of(ran[0])
+                slot_of(ran[1])
+                if blocking:
                     waits.append((k, last))
                 last = k
                 i += 1
