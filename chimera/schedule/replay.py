@@ -32,7 +32,7 @@ from functools import cached_property
 from typing import Any
 
 from chimera.schedule.ir import Action, Schedule
-from chimera.schedule.kinds import SPECS, Msg, Res, Role, message
+from chimera.schedule.kinds import SPECS, Kind, Msg, Res, Role, message
 
 Key = tuple[Any, ...]
 Num = Any  # int, float or Fraction
