@@ -38,10 +38,11 @@ EQUAL = Costs(fwd=1, bwd=1, wgrad=1)  # F = I = W: what orders are built with un
 
 
 class _Worker:
-    def __init__(self, seq: Sequence[Action], cap: int | None, defer: int | None) -> None:
+    def __init__(self, seq: Sequence[Action], cap: int | None, defer: int | None, in_order: bool) -> None:
         # main actions left per kind, pipe and stage, in micro-batch order, with their place in the preferred order
         self.groups: dict[tuple[Kind, str, int], deque[tuple[int, Action]]] = {}
-        for i, a in enumerate(seq):
+        self.seq, self.pos = seq, 0  # in order: only the next of ``seq`` may start, so no groups are kept
+        for i, a in enumerate(() if in_order else seq):
             self.groups.setdefault((a.kind, a.pipe, a.stage), deque()).append((i, a))
         # each group's next action, in the preferred order (places are unique: the action and key never compare)
         self.heads = sorted((q[0][0], q[0][1], key) for key, q in self.groups.items())
@@ -127,7 +128,8 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
                   in_order: bool = False, costs: Costs = EQUAL) -> list[list[Action]]:
     """Per worker, the order its main actions (F, I) and their W run in (module docstring)."""
     run = _Run(stages, placement)
-    workers = [_Worker(seq, caps[w] if caps else None, defer[w] if defer else None) for w, seq in enumerate(seqs)]
+    workers = [_Worker(seq, caps[w] if caps else None, defer[w] if defer else None, in_order)
+               for w, seq in enumerate(seqs)]
     events: list[Any] = [0]
     t: Any = 0
     cost: dict[tuple[Kind, int, int], Any] = {}  # costs.of, per (kind, stage, count): asked once per action
@@ -149,7 +151,7 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
             run.start(a, ends, wire, w.free_at)
             w.out.append(a)
             heapq.heappush(events, w.free_at)
-    stuck = [i for i, w in enumerate(workers) if w.groups or w.pending_w]
+    stuck = [i for i, w in enumerate(workers) if w.groups or (in_order and w.pos < len(w.seq)) or w.pending_w]
     if stuck:
         raise ScheduleConfigError(f"the zero-bubble list scheduler found no order for workers {stuck} within the "
                                   "memory limits")
@@ -163,8 +165,10 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool
     best = best_wire = None
     wires, heads, channels = w.wires, w.heads, run.channels
     cap, defer = w.cap, w.defer
-    for at in range(min(1, len(heads)) if in_order else len(heads)):  # the preferred order's first of each group
-        _, a, key = heads[at]                                            # (one stage keeps micro-batch order)
+    if in_order:  # only the preferred order's next
+        heads = [(w.pos, a, (a.kind, a.pipe, a.stage)) for a in w.seq[w.pos:w.pos + 1]]
+    for at in range(len(heads)):  # the preferred order's first of each group (one stage keeps micro-batch order)
+        _, a, key = heads[at]
         first, count = a.microbatch, a.count
         if a.kind is not _I and (best is not None or (cap is not None and w.live + count > cap) or (
                 defer is not None and w.held + count > defer)):
@@ -185,7 +189,10 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool
         if a.kind is _I:
             break
     if best is not None:
-        a = w.take(best)
+        if in_order:
+            a, w.pos = w.seq[w.pos], w.pos + 1
+        else:
+            a = w.take(best)
         if a.kind is Kind.F:
             w.live += a.count
             w.held += a.count
