@@ -178,10 +178,16 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool
             wire = wires[key] = run.wiring(a, me)
         # ready: what it consumes was made by t, and its input is the next message of its channel
         needs, inbound, _, _, expect, _ = wire
-        if count == 1:
-            if any((end := ends.get(first)) is None or end > t for ends in needs):
-                continue
-        elif not _made(needs, first, count, t):
+        blocked = False
+        if count == 1:  # (a loop, not any() over a generator: this runs millions of times)
+            for ends in needs:
+                end = ends.get(first)
+                if end is None or end > t:
+                    blocked = True
+                    break
+        else:
+            blocked = not _made(needs, first, count, t)
+        if blocked:
             continue
         if inbound is not None and channels[inbound][0] != (*expect, first):
             continue
