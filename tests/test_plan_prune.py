@@ -3,12 +3,13 @@ past the ``top + refine``-th estimate; schedules from the build cache, equal con
 answer of the reference path (``prune=False``: every candidate built afresh and estimated)."""
 
 import dataclasses
+import random
 
 import pytest
 
 from chimera.plan import plan
 from chimera.plan.bound import frame_key, lower_bound
-from chimera.plan.memory import memory_ceiling
+from chimera.plan.memory import _front, _front_scan, memory_ceiling
 from chimera.plan.partition import balanced, layers_of
 from chimera.plan.search import _frame, _key, candidates
 from chimera.profile import Link
@@ -84,3 +85,15 @@ def test_the_bound_key_names_every_field_the_bound_reads():
         assert frame_key(dataclasses.replace(f, **{name: value})) != frame_key(f), name
     assert frame_key(dataclasses.replace(f, actions=[()] * (f.workers + 1))) != frame_key(f)  # more workers
     assert frame_key(dataclasses.replace(f, name="another")) == frame_key(f)
+
+
+def test_the_two_count_front_is_the_scanned_front():
+    """The memory walk's sweep over states of one or two stash counts keeps what the pairwise scan keeps, in the
+    same order (ties in sum and in either count included)."""
+    rng = random.Random(7)
+    for n in (1, 2):
+        for _ in range(300):
+            lives = list({tuple(rng.randrange(6) for _ in range(n)) for _ in range(rng.randrange(1, 30))})
+            rng.shuffle(lives)
+            ordered = sorted(lives, key=sum, reverse=True)
+            assert _front(ordered) == _front_scan(ordered)

@@ -124,7 +124,8 @@ class MemoryWalk:
         live = [0] * n
         grads, flats = zero, zero
         row = schedule.actions[w]
-        evicted = {(a.pipe, a.stage) for a in row if SPECS[a.kind].memory.resident is False}  # start off device
+        leaving = {k for k, spec in SPECS.items() if spec.memory.resident is False}
+        evicted = {(a.pipe, a.stage) for a in row if a.kind in leaving}  # start off device
         resident = tuple(int(ps not in evicted) for ps in pairs)
         # distinct states in the order first seen, keyed by their stash counts and the index of the rest (which
         # changes rarely: hashing the whole nested state per action was most of the walk)
@@ -192,12 +193,34 @@ def _maximal(states: set[tuple[tuple[int, ...], ...]]) -> list[tuple[tuple[int, 
         groups.setdefault(tuple(rest), []).append(live)
     keep = []
     for rest, lives in groups.items():
-        front: list[tuple[int, ...]] = []
-        for live in sorted(lives, key=sum, reverse=True):
-            if not any(all(map(ge, f, live)) for f in front):
-                front.append(live)
+        ordered = sorted(lives, key=sum, reverse=True)
+        front = _front(ordered) if len(ordered[0]) <= 2 else _front_scan(ordered)
         keep += [(live, *rest) for live in front]
     return keep
+
+
+def _front_scan(ordered: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The distinct ``ordered`` (by sum, largest first) that no other dominates, in that order: each is dominated
+    only by one of larger sum, so by one already kept."""
+    front: list[tuple[int, ...]] = []
+    for live in ordered:
+        if not any(all(map(ge, f, live)) for f in front):
+            front.append(live)
+    return front
+
+
+def _front(ordered: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """:func:`_front_scan` of one or two counts, by a sweep (the same set; kept in ``ordered``'s order): by the first
+    count, largest first (the second breaking ties), a pair is undominated when its second count beats every
+    second count before it."""
+    if len(ordered[0]) <= 1:  # distinct single counts: the largest alone
+        return ordered[:1]
+    best, kept = None, set()
+    for live in sorted(ordered, reverse=True):
+        if best is None or live[1] > best:
+            kept.add(live)
+            best = live[1]
+    return [live for live in ordered if live in kept]
 
 
 def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
