@@ -126,7 +126,7 @@ class _Track:
         self.waiting: dict[int, list[int]] = {}
 
 
-Deps = tuple[tuple[int, int], ...]
+Deps = Sequence[tuple[int, int]]
 _RULED = (Role.COMPUTE, Role.SEND, Role.RECV, Role.SYNC_START, Role.SYNC_WAIT, Role.UPDATE, Role.COPY, Role.PREFETCH)
 
 
@@ -257,18 +257,19 @@ class _Build:
         needs, makes, slot = template
         first, count = a.microbatch, a.count
         deps = []
-        for track, delay in needs:
-            if count == 1:
+        if count == 1:
+            for track, delay in needs:
                 made_by = track.made.get(first)
                 if made_by is None:
                     return self._block(w, track, first)
                 deps.append((made_by, delay))
-                continue
-            for m in range(first, first + count):
-                made_by = track.made.get(m)
-                if made_by is None:
-                    return self._block(w, track, m)
-                deps.append((made_by, delay))
+        else:
+            for track, delay in needs:
+                for m in range(first, first + count):
+                    made_by = track.made.get(m)
+                    if made_by is None:
+                        return self._block(w, track, m)
+                    deps.append((made_by, delay))
         if self.fetched:
             fetched = self.fetched.get((w, a.pipe, a.stage))
             if fetched is not None:  # the weights' copy ends before the compute starts
@@ -280,7 +281,7 @@ class _Build:
                 made[m] = i
                 if waiting and m in waiting:
                     self.stack.extend(waiting.pop(m))
-        return tuple(deps), slot
+        return deps, slot  # a list: times() only iterates it
 
     def _compute_template(self, w: int, a: Action) -> tuple[tuple[tuple[_Track, int], ...], tuple[_Track, ...], int]:
         """What compute actions of this kind, pipe, stage and count on worker ``w`` wait for (the resource's
