@@ -44,9 +44,13 @@ class _Worker:
         self.seq, self.pos = seq, 0  # in order: only the next of ``seq`` may start, so no groups are kept
         for i, a in enumerate(() if in_order else seq):
             self.groups.setdefault((a.kind, a.pipe, a.stage), deque()).append((i, a))
-        # each group's next action, in the preferred order (places are unique: the action and key never compare)
-        self.heads = sorted((q[0][0], q[0][1], key) for key, q in self.groups.items())
-        self.wires: dict[tuple[Kind, str, int], _Wiring] = {}
+        # per group, [its key, its wiring once known]
+        self.slots: dict[tuple[Kind, str, int], list[Any]] = {key: [key, None] for key in self.groups}
+        # each group's next action, in the preferred order (places are unique: the action and slot never compare),
+        # those of input-gradient backwards apart: one that can start goes before any forward
+        heads = sorted((q[0][0], q[0][1], self.slots[key]) for key, q in self.groups.items())
+        self.inputs = [h for h in heads if h[1].kind is _I]
+        self.others = [h for h in heads if h[1].kind is not _I]
         self.cap = cap
         self.defer = defer
         self.out: list[Action] = []
@@ -55,16 +59,16 @@ class _Worker:
         self.held = 0  # micro-batches forwarded, not yet through W
         self.free_at = 0
 
-    def take(self, at: int) -> Action:
-        """The next action of the group at ``heads[at]``, removed (the group's next one takes its place)."""
-        _, a, key = self.heads.pop(at)
-        q = self.groups[key]
+    def take(self, heads: list[tuple[int, Action, list[Any]]], at: int) -> None:
+        """The next action of the group at ``heads[at]`` (``inputs`` or ``others``) removed; the group's next one
+        takes its place."""
+        _, _, slot = heads.pop(at)
+        q = self.groups[slot[0]]
         q.popleft()
         if q:
-            bisect.insort(self.heads, (*q[0], key))
+            bisect.insort(heads, (*q[0], slot))
         else:
-            del self.groups[key]
-        return a
+            del self.groups[slot[0]]
 
 
 class _Run:
@@ -161,52 +165,53 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
 def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool
           ) -> tuple[Action, dict[int, Any], _Wiring | None] | None:
     """The action ``w`` starts at ``t`` (or None), removed from what it still has to run, with where its end time
-    goes and (a main action) its wiring."""
-    best = best_wire = None
-    wires, heads, channels = w.wires, w.heads, run.channels
-    cap, defer = w.cap, w.defer
-    if in_order:  # only the preferred order's next
-        heads = [(w.pos, a, (a.kind, a.pipe, a.stage)) for a in w.seq[w.pos:w.pos + 1]]
-    for at in range(len(heads)):  # the preferred order's first of each group (one stage keeps micro-batch order)
-        _, a, key = heads[at]
-        first, count = a.microbatch, a.count
-        if a.kind is not _I and (best is not None or (cap is not None and w.live + count > cap) or (
-                defer is not None and w.held + count > defer)):
-            continue  # only the first forward that may start, and only if no I may
-        wire = wires.get(key)
-        if wire is None:
-            wire = wires[key] = run.wiring(a, me)
-        # ready: what it consumes was made by t, and its input is the next message of its channel
-        needs, inbound, _, _, expect, _ = wire
-        blocked = False
-        if count == 1:  # (a loop, not any() over a generator: this runs millions of times)
-            for ends in needs:
-                end = ends.get(first)
-                if end is None or end > t:
-                    blocked = True
-                    break
-        else:
-            blocked = not _made(needs, first, count, t)
-        if blocked:
-            continue
-        if inbound is not None and channels[inbound][0] != (*expect, first):
-            continue
-        best, best_wire = at, wire
-        if a.kind is _I:
-            break
-    if best is not None:
-        if in_order:
-            a, w.pos = w.seq[w.pos], w.pos + 1
-        else:
-            a = w.take(best)
-        if a.kind is Kind.F:
-            w.live += a.count
-            w.held += a.count
-        else:
-            w.live -= a.count
-            w.pending_w.append((Action(_W, a.pipe, a.stage, a.microbatch, a.count), best_wire[5]))
-        return a, best_wire[3], best_wire
+    goes and (a main action) its wiring: the first in the preferred order that can start of its groups' next
+    input-gradient backwards, else of its next forwards (only while its micro-batches stay within its limits),
+    else its oldest pending W. ``in_order``: only the preferred order's next main action may start."""
+    if in_order:
+        rows = [[(w.pos, a, w.slots.setdefault((a.kind, a.pipe, a.stage), [None, None]))
+                 for a in w.seq[w.pos:w.pos + 1]]]
+    else:
+        rows = [w.inputs, w.others]
+    cap, defer, channels = w.cap, w.defer, run.channels
+    for heads in rows:
+        for at in range(len(heads)):
+            _, a, slot = heads[at]
+            if a.kind is not _I and ((cap is not None and w.live + a.count > cap) or (
+                    defer is not None and w.held + a.count > defer)):
+                continue
+            wire = slot[1]
+            if wire is None:
+                wire = slot[1] = run.wiring(a, me)
+            if not _ready(a, wire, channels, t):
+                continue
+            if in_order:
+                w.pos += 1
+            else:
+                w.take(heads, at)
+            if a.kind is Kind.F:
+                w.live += a.count
+                w.held += a.count
+            else:
+                w.live -= a.count
+                w.pending_w.append((Action(_W, a.pipe, a.stage, a.microbatch, a.count), wire[5]))
+            return a, wire[3], wire
     return _run_w(w) if w.pending_w else None  # its I has finished: the worker was busy with it until now
+
+
+def _ready(a: Action, wire: _Wiring, channels: dict[tuple[int, int, str], deque[Any]], t: Any) -> bool:
+    """Whether main action ``a`` (of the group wired so) can start at ``t``: what it consumes was made by then,
+    and its input is the next message of its channel."""
+    needs, inbound, _, _, expect, _ = wire
+    first = a.microbatch
+    if a.count == 1:
+        for ends in needs:
+            end = ends.get(first)
+            if end is None or end > t:
+                return False
+    elif not _made(needs, first, a.count, t):
+        return False
+    return inbound is None or channels[inbound][0] == (*expect, first)
 
 
 def _made(needs: tuple[dict[int, Any], ...], first: int, count: int, t: Any) -> bool:
