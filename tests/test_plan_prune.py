@@ -3,6 +3,7 @@ past the ``top + refine``-th estimate; schedules from the build cache, equal con
 answer of the reference path (``prune=False``: every candidate built afresh and estimated)."""
 
 import dataclasses
+import gc
 import random
 
 import pytest
@@ -97,3 +98,19 @@ def test_the_two_count_front_is_the_scanned_front():
             rng.shuffle(lives)
             ordered = sorted(lives, key=sum, reverse=True)
             assert _front(ordered) == _front_scan(ordered)
+
+
+def test_planning_leaves_the_collector_as_it_was():
+    """The planner pauses the cyclic collector and moves what survived to its oldest generation: afterwards the
+    collector runs again, nothing stays frozen, and a freeze someone else holds is left alone."""
+    p = _profile(offload=False)
+    assert gc.isenabled()
+    plan(p, 8, global_batch=32)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        held = gc.get_freeze_count()
+        plan(p, 8, global_batch=32)
+        assert gc.isenabled() and gc.get_freeze_count() == held
+    finally:
+        gc.unfreeze()
