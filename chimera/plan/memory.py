@@ -131,14 +131,21 @@ class MemoryWalk:
         # changes rarely: hashing the whole nested state per action was most of the walk)
         seen: dict[tuple[tuple[int, ...], int], None] = {}
         rests: dict[tuple[tuple[int, ...], ...], int] = {}
-        rest_of: dict[tuple[Kind, int, int], int] = {}  # per kind, slot and count while grads, flats, resident hold
+        rest_of: dict[tuple[Any, ...], int] = {}  # per action shape while grads, flats, resident hold
         effects = {kind: _effect(kind) for kind in SPECS}
+        # per action shape (kind, pipe, stage, count): its stage slot, activation change and memory effect; None for
+        # an action of no stage (the optimizer step)
+        shapes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}
         for a in row:  # every kind by its row of the kinds table: its memory effect and activation change
-            k = slot.get((a.pipe, a.stage))
-            if k is None:
-                continue  # an action of no stage (the optimizer step)
-            change, g, flat, res, peak, recompute, out, inn, pack = effects[a.kind]
-            change *= a.count
+            shape = (a.kind, a.pipe, a.stage, a.count)
+            info = shapes.get(shape, ())
+            if info == ():
+                k = slot.get((a.pipe, a.stage))
+                e = effects[a.kind]
+                info = shapes[shape] = None if k is None else (k, e[0] * a.count, *e[1:])
+            if info is None:
+                continue
+            k, change, g, flat, res, peak, recompute, out, inn, pack = info
             if change > 0:
                 live[k] += change
             if g and not grads[k]:
@@ -151,12 +158,12 @@ class MemoryWalk:
                 resident = put(resident, k, 1)
                 rest_of = {}
             if peak:
-                r = rest_of.get((a.kind, k, a.count))
+                r = rest_of.get(shape)
                 if r is None:
                     c = at(k, a.count)
                     rest = (grads, c if recompute else zero, c if out else zero, c if inn else zero, flats, resident,
                             at(k, 1) if pack else zero)
-                    r = rest_of[(a.kind, k, a.count)] = rests.setdefault(rest, len(rests))
+                    r = rest_of[shape] = rests.setdefault(rest, len(rests))
                 seen[(tuple(live), r)] = None
             if change < 0:
                 live[k] += change
