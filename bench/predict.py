@@ -43,8 +43,8 @@ class Calibration:
 
     @staticmethod
     def measure(workers: int) -> Calibration:
-        from chimera.profile.comm import measure_comm_local
         from chimera.calibrate import measure_action_costs
+        from chimera.profile.comm import measure_comm_local
 
         p2p = measure_comm_local(2, sizes=(512,), reps=200).p2p.latency_s
         return Calibration(p2p, tuple(measure_action_costs(workers).items()))

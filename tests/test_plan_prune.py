@@ -3,12 +3,14 @@ past the ``top + refine``-th estimate; schedules from the build cache, equal con
 answer of the reference path (``prune=False``: every candidate built afresh and estimated)."""
 
 import dataclasses
+import gc
+import random
 
 import pytest
 
 from chimera.plan import plan
-from chimera.plan.bound import lower_bound
-from chimera.plan.memory import memory_ceiling
+from chimera.plan.bound import frame_key, lower_bound
+from chimera.plan.memory import _front, _front_scan, memory_ceiling
 from chimera.plan.partition import balanced, layers_of
 from chimera.plan.search import _frame, _key, candidates
 from chimera.profile import Link
@@ -67,3 +69,48 @@ def test_the_bound_is_below_every_estimate(limit):
         assert b <= e.step_s, (e.candidate.label, e.candidate.flags(), b, e.step_s)
         ratios.append(b / e.step_s)
     assert max(ratios) > 0.7, max(ratios)  # the bound is not trivially low
+
+
+def test_the_bound_key_names_every_field_the_bound_reads():
+    """Candidates share a bound where their frames' keys are equal: a frame changed in any field a schedule
+    compares by (its actions aside: a frame has none) gets another key, and frames of equal content the same."""
+    frames: dict = {}
+    c = next(c for c, why in candidates(10, 8, 32, sorted(SIZES), frames) if why is None and c.stages == 4)
+    f = _frame(c, frames)
+    other = {"stages": f.stages + 1, "microbatches": f.microbatches * 2, "data_parallel": f.data_parallel + 1,
+             "placement": {**f.placement, next(iter(f.placement)): f.workers - 1},
+             "microbatch_scale": f.microbatch_scale / 2, "lowered": not f.lowered}
+    compared = {fl.name for fl in dataclasses.fields(f) if fl.compare} - {"actions"}
+    assert compared == set(other)  # a new field of Schedule must join the key (and this list)
+    for name, value in other.items():
+        assert frame_key(dataclasses.replace(f, **{name: value})) != frame_key(f), name
+    assert frame_key(dataclasses.replace(f, actions=[()] * (f.workers + 1))) != frame_key(f)  # more workers
+    assert frame_key(dataclasses.replace(f, name="another")) == frame_key(f)
+
+
+def test_the_two_count_front_is_the_scanned_front():
+    """The memory walk's sweep over states of one or two stash counts keeps what the pairwise scan keeps, in the
+    same order (ties in sum and in either count included)."""
+    rng = random.Random(7)
+    for n in (1, 2):
+        for _ in range(300):
+            lives = list({tuple(rng.randrange(6) for _ in range(n)) for _ in range(rng.randrange(1, 30))})
+            rng.shuffle(lives)
+            ordered = sorted(lives, key=sum, reverse=True)
+            assert _front(ordered) == _front_scan(ordered)
+
+
+def test_planning_leaves_the_collector_as_it_was():
+    """The planner pauses the cyclic collector and moves what survived to its oldest generation: afterwards the
+    collector runs again, nothing stays frozen, and a freeze someone else holds is left alone."""
+    p = _profile(offload=False)
+    assert gc.isenabled()
+    plan(p, 8, global_batch=32)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        held = gc.get_freeze_count()
+        plan(p, 8, global_batch=32)
+        assert gc.isenabled() and gc.get_freeze_count() == held
+    finally:
+        gc.unfreeze()

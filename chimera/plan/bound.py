@@ -23,6 +23,8 @@ Less a relative 1e-9: the simulator adds the same float terms in another order.
 
 from __future__ import annotations
 
+from typing import Any
+
 from chimera.plan.costs import simulator_costs
 from chimera.plan.memory import memory_ceiling
 from chimera.plan.partition import balanced, layers_of
@@ -44,6 +46,14 @@ def lower_bound(profile: Profile, frame: Schedule, unit: int, whole_backward: bo
         return _bound(profile, frame, unit, False, whole_backward, lowered=False) * (1 - SLACK)
     return min(_bound(profile, frame, unit, recompute, whole_backward, lowered=True)
                for recompute in (False, True)) * (1 - SLACK)
+
+
+def frame_key(frame: Schedule) -> tuple[Any, ...]:
+    """What :func:`lower_bound` reads of a frame, as a key: every field a schedule compares by but its (empty)
+    actions, and its number of workers. Candidates whose frames share it (1F1B, GPipe, ZB-H1 and ZB-H2 at one D
+    and N, say) share their bound for a unit and backward form."""
+    return (frame.stages, frame.microbatches, tuple(frame.placement.items()), frame.data_parallel,
+            frame.microbatch_scale, frame.lowered, frame.workers)
 
 
 def _bound(profile: Profile, frame: Schedule, unit: int, recompute: bool, whole_backward: bool,

@@ -16,13 +16,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psutil
-import torch
 
 from chimera.offload.lowering import lower
 from chimera.offload.policy import Level, Offload, ladder
 from chimera.plan.memory import WorkerMemory, worker_memory
 from chimera.profile import Profile
-from chimera.profile.shapes import shapes_profile
 from chimera.schedule import Schedule
 from chimera.util.units import GiB
 
@@ -38,6 +36,8 @@ class OverBudget(ValueError):
 def estimate_peaks(chain: Any, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int, optimizer: str,
                    recompute: bool, exchange: bool = True, offload: Offload | None = None) -> list[WorkerMemory]:
     """The memory model's peak per worker of one data-parallel group, from the chain's shapes."""
+    from chimera.profile.shapes import shapes_profile  # imports torch: not needed to plan from a profile
+
     return worker_memory(shapes_profile(chain, unit), schedule, stage_layers, unit, optimizer, recompute, exchange,
                          offload=offload)
 
@@ -46,6 +46,8 @@ def available_memory(device: str, workers: int) -> tuple[int, str] | None:
     """(bytes, where from) one worker may use when no budget is given: the free memory of the visible GPU, or this
     machine's available memory shared by ``workers`` workers; None when unknown (no GPU visible)."""
     if device == "cuda":
+        import torch  # only here: planning from a profile needs no torch (its import is a second of the plan's time)
+
         if not torch.cuda.is_available():
             return None
         free, _ = torch.cuda.mem_get_info()

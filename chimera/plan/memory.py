@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from operator import ge
+from operator import ge, mul
 from typing import Any
 
 from chimera.offload.policy import Offload
@@ -101,6 +101,8 @@ class MemoryWalk:
 
     def __init__(self, schedule: Schedule) -> None:
         self.workers = [self._walk(schedule, w) for w in range(schedule.workers)]
+        #: per worker, each state's counts but the last (what a stage computes now) as one tuple
+        self.flat = [[sum(state[:7], ()) for state in states] for _, _, states in self.workers]
 
     @staticmethod
     def _walk(schedule: Schedule, w: int) -> tuple[list[int], list[int], list[tuple[tuple[int, ...], ...]]]:
@@ -123,34 +125,60 @@ class MemoryWalk:
         live = [0] * n
         grads, flats = zero, zero
         row = schedule.actions[w]
-        evicted = {(a.pipe, a.stage) for a in row if SPECS[a.kind].memory.resident is False}  # start off device
+        leaving = {k for k, spec in SPECS.items() if spec.memory.resident is False}
+        evicted = {(a.pipe, a.stage) for a in row if a.kind in leaving}  # start off device
         resident = tuple(int(ps not in evicted) for ps in pairs)
-        states: set[tuple[tuple[int, ...], ...]] = set()
+        # distinct states in the order first seen, keyed by their stash counts and the index of the rest (which
+        # changes rarely: hashing the whole nested state per action was most of the walk)
+        seen: dict[tuple[tuple[int, ...], int], None] = {}
+        rests: dict[tuple[tuple[int, ...], ...], int] = {}
+        rest_of: dict[tuple[Any, ...], int] = {}  # per action shape while grads, flats, resident hold
         effects = {kind: _effect(kind) for kind in SPECS}
+        # per action shape (kind, pipe, stage, count): its stage slot, activation change and memory effect; None for
+        # an action of no stage (the optimizer step)
+        shapes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}
         for a in row:  # every kind by its row of the kinds table: its memory effect and activation change
-            k = slot.get((a.pipe, a.stage))
-            if k is None:
-                continue  # an action of no stage (the optimizer step)
-            change, g, flat, res, peak, recompute, out, inn, pack = effects[a.kind]
-            change *= a.count
+            shape = (a.kind, a.pipe, a.stage, a.count)
+            info = shapes.get(shape, ())
+            if info == ():
+                k = slot.get((a.pipe, a.stage))
+                e = effects[a.kind]
+                info = shapes[shape] = None if k is None else (k, e[0] * a.count, *e[1:])
+            if info is None:
+                continue
+            k, change, g, flat, res, peak, recompute, out, inn, pack = info
             if change > 0:
                 live[k] += change
             if g and not grads[k]:
                 grads = put(grads, k, 1)
+                rest_of = {}
             if flat and not flats[k]:
                 flats = put(flats, k, 1)
+                rest_of = {}
             if res and not resident[k]:
                 resident = put(resident, k, 1)
+                rest_of = {}
             if peak:
-                c = at(k, a.count)
-                states.add((tuple(live), grads, c if recompute else zero, c if out else zero, c if inn else zero,
-                            flats, resident, at(k, 1) if pack else zero))
+                r = rest_of.get(shape)
+                if r is None:
+                    c = at(k, a.count)
+                    rest = (grads, c if recompute else zero, c if out else zero, c if inn else zero, flats, resident,
+                            at(k, 1) if pack else zero)
+                    r = rest_of[shape] = rests.setdefault(rest, len(rests))
+                seen[(tuple(live), r)] = None
             if change < 0:
                 live[k] += change
             if g is False and grads[k]:
                 grads = put(grads, k, 0)
+                rest_of = {}
             if res is False and resident[k]:
                 resident = put(resident, k, 0)
+                rest_of = {}
+        by_index = list(rests)
+        # the same set, built from the distinct states in the same order: it iterates alike
+        states: set[tuple[tuple[int, ...], ...]] = set()
+        for live_at, r in seen:
+            states.add((live_at, *by_index[r]))
         if not schedule.lowered:  # the step's end: every stage's gradient sum started (a lowered list says when)
             states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident, zero))
         return held, groups, _maximal(states)
@@ -173,12 +201,34 @@ def _maximal(states: set[tuple[tuple[int, ...], ...]]) -> list[tuple[tuple[int, 
         groups.setdefault(tuple(rest), []).append(live)
     keep = []
     for rest, lives in groups.items():
-        front: list[tuple[int, ...]] = []
-        for live in sorted(lives, key=sum, reverse=True):
-            if not any(all(map(ge, f, live)) for f in front):
-                front.append(live)
+        ordered = sorted(lives, key=sum, reverse=True)
+        front = _front(ordered) if len(ordered[0]) <= 2 else _front_scan(ordered)
         keep += [(live, *rest) for live in front]
     return keep
+
+
+def _front_scan(ordered: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The distinct ``ordered`` (by sum, largest first) that no other dominates, in that order: each is dominated
+    only by one of larger sum, so by one already kept."""
+    front: list[tuple[int, ...]] = []
+    for live in ordered:
+        if not any(all(map(ge, f, live)) for f in front):
+            front.append(live)
+    return front
+
+
+def _front(ordered: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """:func:`_front_scan` of one or two counts, by a sweep (the same set; kept in ``ordered``'s order): by the first
+    count, largest first (the second breaking ties), a pair is undominated when its second count beats every
+    second count before it."""
+    if len(ordered[0]) <= 1:  # distinct single counts: the largest alone
+        return ordered[:1]
+    best, kept = None, set()
+    for live in sorted(ordered, reverse=True):
+        if best is None or live[1] > best:
+            kept.add(live)
+            best = live[1]
+    return [live for live in ordered if live in kept]
 
 
 def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
@@ -197,8 +247,8 @@ def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[S
     stages = _stages(profile, stage_layers, unit, optimizer, recompute, off)
     walk = walk or MemoryWalk(schedule)
     owned = optimizer_owned or [{}] * len(walk.workers)
-    return [_worker(held, groups, states, stages, exchange, off, own)
-            for (held, groups, states), own in zip(walk.workers, owned)]
+    return [_worker(held, groups, states, stages, exchange, off, flat, own)
+            for (held, groups, states), flat, own in zip(walk.workers, walk.flat, owned)]
 
 
 def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
@@ -222,8 +272,12 @@ def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Seq
     return out
 
 
-def _worker(held: list[int], groups: list[int], states: set[tuple[tuple[int, ...], ...]], stages: list[_Stage],
-            exchange: bool, offload: Offload, owned: Mapping[int, int] | None = None) -> WorkerMemory:
+def _worker(held: list[int], groups: list[int], states: Sequence[tuple[tuple[int, ...], ...]], stages: list[_Stage],
+            exchange: bool, offload: Offload, flat: Sequence[tuple[int, ...]] | None = None,
+            owned: Mapping[int, int] | None = None) -> WorkerMemory:
+    """The peak of one worker over its ``states`` (``flat``: the same states as one tuple of their first seven
+    counts each, :attr:`MemoryWalk.flat`, which prices them faster where no stage moves weights in packs;
+    ``owned``: ZeRO-1's owned parameter bytes per stage)."""
     st = [stages[s] for s in held]
     owned = owned or {}
     # sharded (ZeRO-1): the state of the parameter bytes owned, at the stage's state per parameter byte
@@ -233,19 +287,36 @@ def _worker(held: list[int], groups: list[int], states: set[tuple[tuple[int, ...
     device_sync = [not offload.gradients_at(s) for s in held]
     preposted = sum(x.bucket for x, n, d in zip(st, groups, device_sync) if exchange and n == 2 and d)
     extra = [x.full_stash if x.stash != x.full_stash else 0 for x in st]  # a recomputing backward's transient
-    peak, peak_total = WorkerMemory(0, opt, 0, 0, 0, preposted), 0
     packed = [offload.packed_at(s) for s in held]
-    for live, grads, transient, out, inn, flats, resident, computing in states:
+    summed = [x.bucket if n > 1 and d else 0 for x, n, d in zip(st, groups, device_sync)]
+
+    def priced(state: tuple[tuple[int, ...], ...]) -> WorkerMemory:
+        live, grads, transient, out, inn, flats, resident, computing = state
         params = sum(x.params if not p else x.pack_peak * c for r, c, x, p in zip(resident, computing, st, packed)
                      if r or p)
         act = sum(c * x.stash + t * e for c, t, x, e in zip(live, transient, st, extra))
         # in packs, gradients leave as the backward makes them: one pack's at most, only while it computes
         g = sum((x.pack_max * c if p else x.params) for f, c, x, p in zip(grads, computing, st, packed) if f)
         msgs = sum(o * x.msg_out + i * x.msg_in for o, i, x in zip(out, inn, st))
-        sync = preposted + sum(x.bucket for f, x, n, d in zip(flats, st, groups, device_sync) if f and n > 1 and d)
-        total = params + opt + g + act + msgs + sync
-        if total > peak_total:
-            peak_total, peak = total, WorkerMemory(params, opt, g, act, msgs, sync)
+        sync = preposted + sum(b for f, b in zip(flats, summed) if f)
+        return WorkerMemory(params, opt, g, act, msgs, sync)
+
+    if flat is not None and not any(packed):
+        # unpacked, every category is linear in the counts (flags are 0 or 1): one dot product per state, the
+        # first of the largest priced in full (the same state the loop below keeps)
+        params = [x.params for x in st]
+        coef = (*(x.stash for x in st), *params, *extra, *(x.msg_out for x in st), *(x.msg_in for x in st), *summed,
+                *params)
+        totals = [sum(map(mul, f, coef)) for f in flat]
+        top = max(totals, default=0)
+        if not totals or top + opt + preposted <= 0:
+            return WorkerMemory(0, opt, 0, 0, 0, preposted)
+        return priced(states[totals.index(top)])
+    peak, peak_total = WorkerMemory(0, opt, 0, 0, 0, preposted), 0
+    for state in states:
+        m = priced(state)
+        if m.total > peak_total:
+            peak_total, peak = m.total, m
     return peak
 
 

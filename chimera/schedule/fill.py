@@ -38,31 +38,37 @@ EQUAL = Costs(fwd=1, bwd=1, wgrad=1)  # F = I = W: what orders are built with un
 
 
 class _Worker:
-    def __init__(self, seq: Sequence[Action], cap: int | None, defer: int | None) -> None:
+    def __init__(self, seq: Sequence[Action], cap: int | None, defer: int | None, in_order: bool) -> None:
         # main actions left per kind, pipe and stage, in micro-batch order, with their place in the preferred order
         self.groups: dict[tuple[Kind, str, int], deque[tuple[int, Action]]] = {}
-        for i, a in enumerate(seq):
+        self.seq, self.pos = seq, 0  # in order: only the next of ``seq`` may start, so no groups are kept
+        for i, a in enumerate(() if in_order else seq):
             self.groups.setdefault((a.kind, a.pipe, a.stage), deque()).append((i, a))
-        self.heads = sorted((q[0][0], key) for key, q in self.groups.items())  # each group's next, in that order
-        self.wires: dict[tuple[Kind, str, int], _Wiring] = {}
+        # per group, [its key, its wiring once known]
+        self.slots: dict[tuple[Kind, str, int], list[Any]] = {key: [key, None] for key in self.groups}
+        # each group's next action, in the preferred order (places are unique: the action and slot never compare),
+        # those of input-gradient backwards apart: one that can start goes before any forward
+        heads = sorted((q[0][0], q[0][1], self.slots[key]) for key, q in self.groups.items())
+        self.inputs = [h for h in heads if h[1].kind is _I]
+        self.others = [h for h in heads if h[1].kind is not _I]
         self.cap = cap
         self.defer = defer
         self.out: list[Action] = []
-        self.pending_w: deque[Action] = deque()
+        self.pending_w: deque[tuple[Action, dict[int, Any]]] = deque()  # and where its end time goes
         self.live = 0  # micro-batches forwarded, not yet through I
         self.held = 0  # micro-batches forwarded, not yet through W
         self.free_at = 0
 
-    def take(self, at: int) -> Action:
-        """The next action of the group at ``heads[at]``, removed (the group's next one takes its place)."""
-        _, key = self.heads.pop(at)
-        q = self.groups[key]
-        _, a = q.popleft()
+    def take(self, heads: list[tuple[int, Action, list[Any]]], at: int) -> None:
+        """The next action of the group at ``heads[at]`` (``inputs`` or ``others``) removed; the group's next one
+        takes its place."""
+        _, _, slot = heads.pop(at)
+        q = self.groups[slot[0]]
+        q.popleft()
         if q:
-            bisect.insort(self.heads, (q[0][0], key))
+            bisect.insort(heads, (*q[0], slot))
         else:
-            del self.groups[key]
-        return a
+            del self.groups[slot[0]]
 
 
 class _Run:
@@ -82,7 +88,9 @@ class _Run:
         return self.done.setdefault((kind, pipe, stage), {})
 
     def wiring(self, a: Action, w: int) -> _Wiring:
-        """What main actions of ``a``'s kind, pipe and stage on worker ``w`` wait for and send (fixed per group)."""
+        """What main actions of ``a``'s kind, pipe and stage on worker ``w`` wait for and send (fixed per group):
+        the end times they wait for, the channel their input comes in on (and its message, less the micro-batch),
+        the channel they send on, where their own end times go and (an I) where its W's go."""
         key = (a.kind, a.pipe, a.stage, w)
         hit = self._wiring.get(key)
         if hit is None:
@@ -91,31 +99,33 @@ class _Run:
             needs = [self._ends(Kind.F, a.pipe, s - 1)] if f and s > 0 else [] if f else [
                 self._ends(Kind.F, a.pipe, s), *([self._ends(_I, a.pipe, s + 1)] if s < self.stages - 1 else [])]
             src, dst = (s - 1, s + 1) if f else (s + 1, s - 1)
-            inbound = outbound = None
+            inbound = outbound = expect = None
             if self.fifo and 0 <= src < self.stages and self.place[(a.pipe, src)] != w:  # input from another worker
-                inbound = ((self.place[(a.pipe, src)], w, a.pipe), Kind.F if f else _I, src)
-            if 0 <= dst < self.stages and self.place[(a.pipe, dst)] != w:
-                outbound = (w, self.place[(a.pipe, dst)], a.pipe)
-            hit = self._wiring[key] = (needs, inbound, outbound, self._ends(a.kind, a.pipe, s))
+                inbound = (self.place[(a.pipe, src)], w, a.pipe)
+                expect = (Kind.F if f else _I, a.pipe, src)
+            if self.fifo and 0 <= dst < self.stages and self.place[(a.pipe, dst)] != w:
+                outbound = self.channels.setdefault((w, self.place[(a.pipe, dst)], a.pipe), deque())
+            wends = self._ends(_W, a.pipe, s) if a.kind is _I else None
+            hit = self._wiring[key] = (tuple(needs), inbound, outbound, self._ends(a.kind, a.pipe, s), expect, wends)
         return hit
 
-    def start(self, a: Action, w: int, end: Any) -> None:
-        if a.kind is _W:
-            ends = self._ends(a.kind, a.pipe, a.stage)
-            for m in range(a.microbatch, a.microbatch + a.count):
-                ends[m] = end
+    def start(self, a: Action, ends: dict[int, Any], wire: _Wiring | None, end: Any) -> None:
+        """``a`` starts and ends at ``end`` (its group's end times ``ends``; a main action's wiring ``wire``)."""
+        if wire is not None:
+            inbound, outbound = wire[1], wire[2]
+            if inbound is not None:
+                self.channels[inbound].popleft()
+            if outbound is not None:
+                outbound.append((a.kind, a.pipe, a.stage, a.microbatch))
+        if a.count == 1:
+            ends[a.microbatch] = end
             return
-        _, inbound, outbound, ends = self.wiring(a, w)
         for m in range(a.microbatch, a.microbatch + a.count):
             ends[m] = end
-        if inbound is not None:
-            self.channels[inbound[0]].popleft()
-        if outbound is not None:
-            self.channels.setdefault(outbound, deque()).append((a.kind, a.pipe, a.stage, a.microbatch))
 
 
-_Wiring = tuple[list[dict[int, Any]], tuple[tuple[int, int, str], Kind, int] | None, tuple[int, int, str] | None,
-                dict[int, Any]]
+_Wiring = tuple[tuple[dict[int, Any], ...], tuple[int, int, str] | None, deque[tuple[Kind, str, int, int]] | None,
+                dict[int, Any], tuple[Kind, str, int] | None, dict[int, Any] | None]
 
 
 def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: Sequence[Sequence[Action]],
@@ -128,7 +138,8 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
     receives so that each channel's messages are still taken in order, which never adds a wait.
     """
     run = _Run(stages, placement, fifo)
-    workers = [_Worker(seq, caps[w] if caps else None, defer[w] if defer else None) for w, seq in enumerate(seqs)]
+    workers = [_Worker(seq, caps[w] if caps else None, defer[w] if defer else None, in_order)
+               for w, seq in enumerate(seqs)]
     events: list[Any] = [0]
     t: Any = 0
     cost: dict[tuple[Kind, int, int], Any] = {}  # costs.of, per (kind, stage, count): asked once per action
@@ -139,68 +150,90 @@ def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: S
         for i, w in enumerate(workers):
             if w.free_at > t:
                 continue
-            a = _pick(w, i, t, run, in_order)
-            if a is None:
+            picked = _pick(w, i, t, run, in_order)
+            if picked is None:
                 continue
+            a, ends, wire = picked
             key = (a.kind, a.stage, a.count)
             if key not in cost:
                 cost[key] = costs.of(a)
             w.free_at = t + cost[key]
-            run.start(a, i, w.free_at)
+            run.start(a, ends, wire, w.free_at)
             w.out.append(a)
             heapq.heappush(events, w.free_at)
-    stuck = [i for i, w in enumerate(workers) if w.groups or w.pending_w]
+    stuck = [i for i, w in enumerate(workers) if w.groups or (in_order and w.pos < len(w.seq)) or w.pending_w]
     if stuck:
         raise ScheduleConfigError(f"the zero-bubble list scheduler found no order for workers {stuck} within the "
                                   "memory limits")
     return [w.out for w in workers]
 
 
-def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool) -> Action | None:
-    """The action ``w`` starts at ``t`` (or None), removed from what it still has to run."""
-    best = None
-    groups, wires = w.groups, w.wires
-    for at, (_, key) in enumerate(w.heads[:1] if in_order else w.heads):  # the preferred order's first of each
-        a = groups[key][0][1]                                            # group (one stage keeps micro-batch order)
-        if a.kind is not _I and (best is not None or (w.cap is not None and w.live + a.count > w.cap) or (
-                w.defer is not None and w.held + a.count > w.defer)):
-            continue  # only the first forward that may start, and only if no I may
-        wire = wires.get(key)
-        if wire is None:
-            wire = wires[key] = run.wiring(a, me)
-        if not _ready(a, wire, run.channels, t):
-            continue
-        best = at
-        if a.kind is _I:
-            break
-    if best is not None:
-        a = w.take(best)
-        if a.kind is Kind.F:
-            w.live += a.count
-            w.held += a.count
-        else:
-            w.live -= a.count
-            w.pending_w.append(Action(_W, a.pipe, a.stage, a.microbatch, a.count))
-        return a
+def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool
+          ) -> tuple[Action, dict[int, Any], _Wiring | None] | None:
+    """The action ``w`` starts at ``t`` (or None), removed from what it still has to run, with where its end time
+    goes and (a main action) its wiring: the first in the preferred order that can start of its groups' next
+    input-gradient backwards, else of its next forwards (only while its micro-batches stay within its limits),
+    else its oldest pending W. ``in_order``: only the preferred order's next main action may start."""
+    if in_order:
+        rows = [[(w.pos, a, w.slots.setdefault((a.kind, a.pipe, a.stage), [None, None]))
+                 for a in w.seq[w.pos:w.pos + 1]]]
+    else:
+        rows = [w.inputs, w.others]
+    cap, defer, channels = w.cap, w.defer, run.channels
+    for heads in rows:
+        for at in range(len(heads)):
+            _, a, slot = heads[at]
+            if a.kind is not _I and ((cap is not None and w.live + a.count > cap) or (
+                    defer is not None and w.held + a.count > defer)):
+                continue
+            wire = slot[1]
+            if wire is None:
+                wire = slot[1] = run.wiring(a, me)
+            if not _ready(a, wire, channels, t):
+                continue
+            if in_order:
+                w.pos += 1
+            else:
+                w.take(heads, at)
+            if a.kind is Kind.F:
+                w.live += a.count
+                w.held += a.count
+            else:
+                w.live -= a.count
+                w.pending_w.append((Action(_W, a.pipe, a.stage, a.microbatch, a.count), wire[5]))
+            return a, wire[3], wire
     return _run_w(w) if w.pending_w else None  # its I has finished: the worker was busy with it until now
 
 
 def _ready(a: Action, wire: _Wiring, channels: dict[tuple[int, int, str], deque[Any]], t: Any) -> bool:
     """Whether main action ``a`` (of the group wired so) can start at ``t``: what it consumes was made by then,
     and its input is the next message of its channel."""
-    needs, inbound, _, _ = wire
-    for m in range(a.microbatch, a.microbatch + a.count):
+    needs, inbound, _, _, expect, _ = wire
+    first = a.microbatch
+    if a.count == 1:
         for ends in needs:
+            end = ends.get(first)
+            if end is None or end > t:
+                return False
+    elif not _made(needs, first, a.count, t):
+        return False
+    return inbound is None or channels[inbound][0] == (*expect, first)
+
+
+def _made(needs: tuple[dict[int, Any], ...], first: int, count: int, t: Any) -> bool:
+    """Whether every end time in ``needs`` of micro-batches ``first`` .. ``first + count - 1`` is known and by ``t``."""
+    for ends in needs:
+        for m in range(first, first + count):
             end = ends.get(m)
             if end is None or end > t:
                 return False
-    return inbound is None or channels[inbound[0]][0] == (inbound[1], a.pipe, inbound[2], a.microbatch)
+    return True
 
 
-def _run_w(w: _Worker) -> Action:
-    a = w.pending_w.popleft()
+def _run_w(w: _Worker) -> tuple[Action, dict[int, Any], None]:
+    a, ends = w.pending_w.popleft()
     w.held -= a.count
-    return a
+    return a, ends, None
 
 
 def _as_inputs(row: Sequence[Action]) -> list[Action]:

@@ -82,6 +82,15 @@ class Action:
     microbatch: int = -1
     count: int = 1
 
+    def __init__(self, kind: Kind, pipe: str = DOWN, stage: int = -1, microbatch: int = -1, count: int = 1) -> None:
+        # the slots' own setters: a frozen dataclass's generated __init__ goes through object.__setattr__ per
+        # field, which made building a large schedule's actions a sizeable part of planning
+        _SET_KIND(self, kind)
+        _SET_PIPE(self, pipe)
+        _SET_STAGE(self, stage)
+        _SET_MICROBATCH(self, microbatch)
+        _SET_COUNT(self, count)
+
     @property
     def microbatches(self) -> range:
         return range(self.microbatch, self.microbatch + self.count)
@@ -121,6 +130,10 @@ class Action:
         raise ValueError(
             f"cannot parse action {text!r}: expected e.g. '0F3', 'u2B1', 'd0F2-3', 'd1RECV_F3', 'd0AR_START' or 'OPT'"
         )
+
+
+_SET_KIND, _SET_PIPE, _SET_STAGE, _SET_MICROBATCH, _SET_COUNT = (
+    Action.__dict__[f].__set__ for f in ("kind", "pipe", "stage", "microbatch", "count"))
 
 
 def F(pipe: str, stage: int, mb: int, count: int = 1) -> Action:
@@ -213,7 +226,7 @@ class Schedule:
 
     def compute_only(self) -> Schedule:
         """The same schedule with only F and B actions (itself where it has no other)."""
-        if not self.lowered and all(a.kind.is_compute for row in self.actions for a in row):
+        if not self.lowered and all(k.is_compute for k in {a.kind for row in self.actions for a in row}):
             return self
         acts = tuple(tuple(a for a in row if a.kind.is_compute) for row in self.actions)
         return _replace(self, actions=acts, lowered=False)

@@ -33,7 +33,7 @@ from functools import cached_property
 from typing import Any
 
 from chimera.schedule.ir import Action, Schedule
-from chimera.schedule.kinds import SPECS, Msg, Res, Role, message
+from chimera.schedule.kinds import SPECS, Kind, Msg, Res, Role, message
 
 Key = tuple[Any, ...]
 Num = Any  # int, float or Fraction
@@ -137,7 +137,8 @@ class _Track:
         self.waiting: dict[Any, list[int]] = {}
 
 
-Deps = tuple[tuple[int, int], ...]
+Deps = Sequence[tuple[int, int]]
+_RULED = (Role.COMPUTE, Role.SEND, Role.RECV, Role.SYNC_START, Role.SYNC_WAIT, Role.UPDATE, Role.COPY, Role.PREFETCH)
 
 
 class _Build:
@@ -183,16 +184,21 @@ class _Build:
         self.templates: dict[Key, Any] = {}  # per kind, pipe, stage (count, worker): what its actions touch
         self._kinds()
 
-    def _kinds(self) -> None:
-        """Per kind, from the table: its role's method, what it consumes, what it makes that others await."""
+    def _handlers(self) -> dict[Kind, Callable[[int, int, Action], tuple[Deps, int] | None]]:
+        """Per kind, its role's method. Not kept on the instance: bound methods there would make every build a
+        reference cycle, which only the cyclic collector frees (the planner pauses it)."""
         by_role: dict[Role, Callable[[int, int, Action], tuple[Deps, int] | None]] = {
             Role.COMPUTE: self._compute, Role.SEND: self._send, Role.RECV: self._recv,
             Role.SYNC_START: self._sync_start, Role.SYNC_WAIT: self._sync_wait, Role.UPDATE: self._update,
             Role.COPY: self._update, Role.PREFETCH: self._prefetch}
-        unknown = {spec.role for spec in SPECS.values()} - set(by_role)
+        return {kind: by_role[spec.role] for kind, spec in SPECS.items()}
+
+    def _kinds(self) -> None:
+        """Per kind, from the table: what it consumes, what it makes that others await (and that replay has a rule
+        for its role)."""
+        unknown = {spec.role for spec in SPECS.values()} - set(_RULED)
         if unknown:
             raise ValueError(f"replay has no rule for the role(s) {sorted(map(str, unknown))} of the kinds table")
-        self.handler = {kind: by_role[spec.role] for kind, spec in SPECS.items()}
         self.blocking = {kind: spec.role in (Role.RECV, Role.SYNC_WAIT) for kind, spec in SPECS.items()}
         self.uses = {kind: tuple((u.res, u.offset) for u in spec.consumes) for kind, spec in SPECS.items()}
         # what a compute action makes that another compute action waits for (weight gradients wait for nobody)
@@ -200,28 +206,32 @@ class _Build:
         self.made = {kind: tuple(r for r in spec.produces if r in awaited) for kind, spec in SPECS.items()}
 
     def run(self) -> None:
-        handler, blocking = self.handler, self.blocking
-        order, prev, deps_of, slot_of, waits = self.order, self.prev, self.deps, self.slot, self.waits
+        handlers = self._handlers()
+        rule = {kind: (handlers[kind], self.blocking[kind]) for kind in handlers}
+        order, prev, deps_of, slot_of = self.order.append, self.prev.append, self.deps.append, self.slot.append
+        waits, stack = self.waits, self.stack
         after, awaited, gated = self.after, self.awaited, bool(self.after)  # ordering edges: off the plain path
         gates, gate = self._track(_AFTER), None
-        while self.stack:
-            w = self.stack.pop()
+        while stack:
+            w = stack.pop()
             row, base, last, i = self.rows[w], self.bounds[w], self.last[w], self.pc[w]
-            while i < len(row):
+            n = len(row)
+            while i < n:
                 a = row[i]
                 k = base + i
                 if gated:
                     gate = after.get(k)
                     if gate is not None and self._gated(w, gates, gate):
                         break
-                ran = handler[a.kind](w, k, a)
+                handler, blocking = rule[a.kind]
+                ran = handler(w, k, a)
                 if ran is None:
                     break  # blocked; woken when what it waits for is made
-                order.append(k)
-                prev.append(last)
-                deps_of.append(ran[0] if gate is None else (*ran[0], *((q, 0) for q in gate)))
-                slot_of.append(ran[1])
-                if blocking[a.kind]:
+                order(k)
+                prev(last)
+                deps_of(ran[0] if gate is None else (*ran[0], *((q, 0) for q in gate)))
+                slot_of(ran[1])
+                if blocking:
                     waits.append((k, last))
                 last = k
                 i += 1
@@ -270,32 +280,38 @@ class _Build:
         return slot
 
     def _compute(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
-        template = self.templates.get((a.kind, a.pipe, a.stage, a.count, w))
+        key = (a.kind, a.pipe, a.stage, a.count, w)
+        template = self.templates.get(key)
         if template is None:
-            template = self.templates[(a.kind, a.pipe, a.stage, a.count, w)] = self._compute_template(w, a)
+            template = self.templates[key] = self._compute_template(w, a)
         needs, makes, slot = template
         first, count = a.microbatch, a.count
         deps = []
-        for track, delay in needs:
-            if count == 1:
+        if count == 1:
+            for track, delay in needs:
                 made_by = track.made.get(first)
                 if made_by is None:
                     return self._block(w, track, first)
                 deps.append((made_by, delay))
-                continue
-            for m in range(first, first + count):
-                made_by = track.made.get(m)
-                if made_by is None:
-                    return self._block(w, track, m)
-                deps.append((made_by, delay))
-        fetched = self.fetched.get((w, a.pipe, a.stage)) if self.fetched else None
-        if fetched is not None:  # the weights' copy ends before the compute starts
-            deps.append((fetched, 1 + self.stages + a.stage))
+        else:
+            for track, delay in needs:
+                for m in range(first, first + count):
+                    made_by = track.made.get(m)
+                    if made_by is None:
+                        return self._block(w, track, m)
+                    deps.append((made_by, delay))
+        if self.fetched:
+            fetched = self.fetched.get((w, a.pipe, a.stage))
+            if fetched is not None:  # the weights' copy ends before the compute starts
+                deps.append((fetched, 1 + self.stages + a.stage))
         self.compute[w].append(i)
-        for track in makes:
-            for m in range(first, first + count):
-                self._finish(track, m, i)
-        return tuple(deps), slot
+        for track in makes:  # made: wake whoever waits for it (_finish, inline)
+            made, waiting = track.made, track.waiting
+            for m in range(first, first + count) if count > 1 else (first,):
+                made[m] = i
+                if waiting and m in waiting:
+                    self.stack.extend(waiting.pop(m))
+        return deps, slot  # a list: times() only iterates it
 
     def _compute_template(self, w: int, a: Action) -> tuple[tuple[tuple[_Track, int], ...], tuple[_Track, ...], int]:
         """What compute actions of this kind, pipe, stage and count on worker ``w`` wait for (the resource's
