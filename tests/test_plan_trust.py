@@ -16,6 +16,8 @@ from chimera.plan import PlanFile
 from chimera.plan.profiles import trust_note
 from chimera.profile import Profile, ProfileError, fingerprint
 from chimera.profile.synthetic import layer, profile
+from ray_launch.command import _summary
+from ray_launch.recovery import RunReport
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,6 +81,12 @@ def test_chimera_plan_prints_and_writes_the_trust_line(concurrent, tmp_path, cap
     job = compile_job(TrainConfig.from_flags(model="bert-tiny", seq_len=8, plan=str(out), steps=1,
                                              corpus="synthetic"))
     assert job.prediction is not None and job.prediction.trust == saved == PlanFile.load(out).trust
+    # the run's summary: the note right under its measured / predicted line
+    records = [{"loss": 1.0, "samples_per_s": 1.0, "step_time_s": 0.1}] * 3
+    _summary(job, records, RunReport(), tmp_path / "m.jsonl", tmp_path / "c.toml")
+    lines = capsys.readouterr().out.splitlines()
+    ratio = next(i for i, x in enumerate(lines) if "measured / predicted" in x)
+    assert lines[ratio + 1:] == ([f"  the plan's trust note: {saved}"] if saved else [])
 
 
 def test_chimera_plan_refuses_bad_nodes_and_a_missing_profile(tmp_path, capsys):
