@@ -49,7 +49,10 @@ def test_trust_says_when_fewer_processes_ran_than_workers_share_a_cpu_machine():
     assert trust_note(synthetic(concurrent=2), workers=2, cores=2) == ""  # taken as the workers will run
     assert trust_note(synthetic(concurrent=2, threads=2), workers=4, nodes=2, cores=4) == ""  # 2 per machine
     assert trust_note(synthetic(concurrent=1, device="cuda"), workers=8) == ""  # one GPU each: nothing shared
-    assert "over-predicted" in trust_note(synthetic(concurrent=4), workers=2, cores=2)
+    assert "2 workers will share one machine: step times are likely over-predicted" in trust_note(
+        synthetic(concurrent=4), workers=2, cores=2)
+    assert "cuda device of its own: step times are likely over-predicted; re-profile with chimera profile " \
+           "--concurrent 1" in trust_note(synthetic(concurrent=2, device="cuda"), workers=8)
     threads = trust_note(synthetic(concurrent=2, threads=2), workers=2, cores=2)
     assert "ran 2 thread(s) per process" in threads and threads.endswith("--concurrent 2 --threads 1")
 

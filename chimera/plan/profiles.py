@@ -48,8 +48,9 @@ def trust_note(profile: Profile, workers: int, nodes: int = 1, cores: int | None
         return (f"{done}; {share} workers will share this machine's cores: step times are likely under-predicted "
                 f"(up to ~{share / profile.concurrent:.3g}x); {redo}")
     if profile.concurrent > share:
-        return (f"{done}; {share} worker{'s' if share > 1 else ''} will share one machine: step times are likely "
-                f"over-predicted; {redo}")
+        who = (f"each worker has a {profile.device} device of its own" if profile.device != "cpu" else
+               f"{share} worker{'s' if share > 1 else ''} will share one machine")
+        return f"{done}; {who}: step times are likely over-predicted; {redo}"
     if profile.device != "cpu":
         return ""
     cores = cores or os.cpu_count() or 1
