@@ -184,7 +184,7 @@ def test_cli_writes_a_loadable_profile(tmp_path, capsys):
                  "--warmup", "0", "--threads", "1", "-o", str(out)])
     text = capsys.readouterr().out
     assert code == 0 and text.strip().endswith(str(out))
-    assert "BertBlockLayer" in text and "stash KiB" in text
+    assert "BertBlockLayer" in text and "stash KiB" in text and "profile with --concurrent K" in text
     prof = Profile.load(out)
     assert prof.micro_batch_sizes == [1, 2] and prof.threads == 1
     prof.check(build_model("bert-tiny", seq_len=8), device="cpu")

@@ -104,5 +104,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                        for n, link in comm.allreduce.items())
         print(f"comm ({comm.where}): p2p {comm.p2p.latency_s * 1e6:.0f} us + {comm.p2p.bandwidth_Bps / 1e9:.2f} GB/s; "
               f"allreduce {ar}")
+    if prof.device == "cpu" and prof.concurrent == 1:
+        print("profiled in 1 process: K workers sharing this machine's cores run slower; for them profile with "
+              "--concurrent K (chimera plan says when the profile and its --workers differ)")
     print(path)
     return 0
