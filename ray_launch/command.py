@@ -191,6 +191,8 @@ def _summary(job: Job, records: list[dict[str, Any]], report: RunReport, metrics
         predicted = job.prediction.step_s
         print(f"step time: predicted {predicted:.4g} s ({job.prediction.source}), measured {measured:.4g} s "
               f"(median of steps 1-{len(records) - 1}; measured / predicted = {measured / predicted:.2f})")
+        if job.prediction.trust:
+            print(f"  the plan's trust note: {job.prediction.trust}")
 
 
 def train_main(argv: Sequence[str] | None = None, defaults: dict[str, Any] | None = None) -> int:

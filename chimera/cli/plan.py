@@ -17,6 +17,7 @@ from chimera.cli.options import UsageError, add_field, deprecated_alias
 from chimera.compile.names import choices
 from chimera.plan import PlanError, PlanFile, plan
 from chimera.plan.planfile import summary
+from chimera.plan.profiles import trust_note
 from chimera.plan.report import report
 from chimera.profile import Profile, ProfileError
 from chimera.util.units import parse_bytes
@@ -27,9 +28,13 @@ def add_parser(sub: Any, parser_class: type) -> None:
     p = sub.add_parser("plan", help="choose schedule, D, W, B, N, recomputation, offload and partition from a "
                                     "profile")
     add_model_args(p)
-    p.add_argument("--profile-file", required=True, help="profile file (chimera profile -o ...)")
+    # not required=True: argparse would then refuse the deprecated --profile spelling that sets the same dest
+    p.add_argument("--profile-file", default=None, help="profile file (chimera profile -o ...) (required)")
     deprecated_alias(p, "--profile", "--profile-file", "profile_file")
     p.add_argument("--workers", "-K", type=int, required=True, help="workers (D x W) to plan for")
+    p.add_argument("--nodes", type=int, default=1, help="machines the workers are spread over; on CPU the workers "
+                   "of one machine share its cores, and the plan says whether the profile was taken that way "
+                   "(chimera profile --concurrent) (default: 1, all on one machine)")
     add_field(p, "stages", default=None, help="fix the pipeline depth D (default: every D dividing --workers)")
     add_field(p, "memory_per_worker", default=None, help="memory limit per worker, e.g. 80GiB (default: the "
               "profiled device's memory, or none)")
@@ -44,14 +49,19 @@ def add_parser(sub: Any, parser_class: type) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run the planner; print the table; write the plan file."""
+    if args.profile_file is None:
+        raise UsageError("--profile-file is required: the profile to plan from (chimera profile -o FILE)")
     if args.workers < 1 or args.top < 1 or (args.global_batch is not None and args.global_batch < 1):
         raise UsageError("--workers, --top and --global-batch must be >= 1")
+    if not 1 <= args.nodes <= args.workers:
+        raise UsageError(f"--nodes {args.nodes}: need 1 <= --nodes <= --workers ({args.workers})")
     chain = model_of(args)
     try:
         profile = Profile.load(args.profile_file).check(chain)
         limit = parse_bytes(args.memory_per_worker) if args.memory_per_worker else profile.device_memory_bytes
         result = plan(profile, args.workers, args.global_batch, limit, args.optimizer, args.top, stages=args.stages)
-        chosen = PlanFile.from_result(result, chain.name, profile.fingerprint, profile.device)
+        trust = trust_note(profile, args.workers, args.nodes)
+        chosen = PlanFile.from_result(result, chain.name, profile.fingerprint, profile.device, trust=trust)
     except (ValueError, ProfileError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -60,6 +70,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(report(result, args.top))
     out = chosen.save(args.output or f"profiles/{chain.name}.plan.json")
+    print(f"trust: {trust or _as_taken(profile)}", file=sys.stderr if args.json else sys.stdout)
     print(f"plan: {out} ({chosen.flags['schedule']}, D={chosen.flags['stages']}, W={chosen.flags['data_parallel']}, "
           f"predicted {chosen.predicted_step_s:.4g} s/step)", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _as_taken(profile: Profile) -> str:
+    """The trust line of a profile taken as the workers will run."""
+    return (f"profile taken as the workers will run ({profile.concurrent} process(es) at once, {profile.threads} "
+            "thread(s) each)")

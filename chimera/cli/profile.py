@@ -52,10 +52,13 @@ def add_parser(sub: Any, parser_class: type) -> None:
                    help="comma-separated, e.g. 1,2,4,8 (default: 1,2,4,8)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per operation (default: 5)")
     p.add_argument("--warmup", type=int, default=2, help="discarded repetitions before them (default: 2)")
-    add_field(p, "threads", default=None, help="torch threads per process while profiling (default: torch's)")
+    add_field(p, "threads", default=None, help="torch threads per process while profiling (default: torch's; with "
+              "--concurrent N, this machine's cores / N, as N workers take them)")
     p.add_argument("--concurrent", type=int, default=1,
                    help="profile in this many processes at once, as that many workers sharing this machine would "
-                        "run (the timings of the slowest are kept; training profiles this way) (default: 1)")
+                        "run (the timings of the slowest are kept; training profiles this way). On CPU give the "
+                        "number of workers that will share one machine: chimera plan warns when the profile ran "
+                        "fewer (default: 1)")
     p.add_argument("--comm", choices=("none", *PROBES), default="none",
                    help="also measure communication: local processes, or Ray workers where the Ray layer is "
                         "installed (default: none)")
@@ -87,7 +90,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return 1
     path = prof.save(args.output or f"profiles/{chain.name}.profile.json")
     b = prof.micro_batch_sizes[-1]
-    print(f"{prof.model} on {prof.device} ({prof.dtype}, {prof.threads} threads), micro-batch size {b}:")
+    print(f"{prof.model} on {prof.device} ({prof.dtype}, {prof.threads} threads, {prof.concurrent} process(es) at "
+          f"once), micro-batch size {b}:")
     print(f"{'layer':>5} {'kind':<22} {'params':>10} {'fwd ms':>8} {'bwd ms':>8} {'stash KiB':>10}")
     for layer in prof.layers:
         c = layer.costs[b]
@@ -100,5 +104,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                        for n, link in comm.allreduce.items())
         print(f"comm ({comm.where}): p2p {comm.p2p.latency_s * 1e6:.0f} us + {comm.p2p.bandwidth_Bps / 1e9:.2f} GB/s; "
               f"allreduce {ar}")
+    if prof.device == "cpu" and prof.concurrent == 1:
+        print("profiled in 1 process: K workers sharing this machine's cores run slower; for them profile with "
+              "--concurrent K (chimera plan says when the profile and its --workers differ)")
     print(path)
     return 0

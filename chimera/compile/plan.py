@@ -61,9 +61,9 @@ def apply_plan(cfg: TrainConfig, chain: Any, threads: int, log: Callable[[str], 
     why = (f"plan {spec}: {chosen.flags['schedule']}, D={chosen.flags['stages']}, W={chosen.flags['data_parallel']}, "
            f"B={chosen.flags['micro_batch_size']}, N={chosen.flags['micro_batches']}"
            + (f" (kept as given: {', '.join(kept)})" if kept else "")
-           + f"; predicted {chosen.predicted_step_s:.4g} s/step")
+           + f"; predicted {chosen.predicted_step_s:.4g} s/step" + (f" (trust: {chosen.trust})" if chosen.trust else ""))
     prediction = Prediction(chosen.predicted_step_s, f"plan {spec}", chosen.predicted_bubble,
-                            chosen.peak_memory_bytes)
+                            chosen.peak_memory_bytes, chosen.trust)
     return _apply(cfg, flags), prediction, why
 
 

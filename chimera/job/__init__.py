@@ -129,6 +129,7 @@ class Prediction:
     source: str
     bubble: float | None = None
     peak_memory_bytes: int | None = None
+    trust: str = ""  # why the prediction may be off (the plan file's ``trust``; "": nothing known)
 
 
 @dataclass(frozen=True)

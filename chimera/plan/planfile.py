@@ -2,6 +2,7 @@
 
     plan = PlanFile.load("profiles/bert-tiny.plan.json")
     plan.flags        # schedule, D, W, B, N, recompute, offload, partition: what --plan FILE trains
+    plan.trust        # "" or why its predictions may be off (how the profile was taken; plan.profiles.trust_note)
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ class PlanFile:
     peak_memory_bytes: int
     version: int = PLAN_VERSION
     ranked: list[dict[str, Any]] = field(default_factory=list)  # the runners-up, for the record
+    trust: str = ""  # why the predictions may be off ("": the profile was taken as the workers will run)
 
     @staticmethod
-    def from_result(result: PlanResult, model: str, fingerprint: str, device: str, keep: int = 10) -> PlanFile:
-        """The best candidate of ``result`` as a plan (PlanError when nothing fits)."""
+    def from_result(result: PlanResult, model: str, fingerprint: str, device: str, keep: int = 10,
+                    trust: str = "") -> PlanFile:
+        """The best candidate of ``result`` as a plan (PlanError when nothing fits); ``trust``: :attr:`trust`."""
         if not result.ranked:
             reasons = sorted({e.reason for e in result.infeasible if e.reason})[:5]
             raise PlanError(f"no configuration of {model} fits on {result.inputs.get('workers')} workers: "
@@ -49,7 +52,7 @@ class PlanFile:
         return PlanFile(model, fingerprint, device, result.inputs["workers"], result.inputs["global_batch"],
                     result.inputs.get("memory_limit"), plan_flags(best), float(best.step_s or 0.0),
                     float(best.samples_per_s or 0.0), float(best.bubble or 0.0), int(best.peak_memory or 0),
-                    ranked=[summary(e) for e in result.ranked[:keep]])
+                    ranked=[summary(e) for e in result.ranked[:keep]], trust=trust)
 
     def check_model(self, model: str) -> None:
         """PlanError unless the plan was made for ``model``."""

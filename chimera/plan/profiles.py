@@ -9,6 +9,7 @@ and sizes::
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,6 +28,38 @@ def sharing(world: int, device: str) -> int:
     """How many processes to profile at once: on CPU every worker (they share the machine's cores, also when
     they outnumber them, and each timing should carry its share), on GPUs 1 (one device each)."""
     return 1 if device == "cuda" else max(1, world)
+
+
+def trust_note(profile: Profile, workers: int, nodes: int = 1, cores: int | None = None) -> str:
+    """How far a plan from ``profile`` for ``workers`` workers on ``nodes`` machines can be trusted: "" when the
+    profile was taken as the workers will run, else a sentence saying what differs, which way the step times are
+    likely off and the profile command that fixes it.
+
+    On CPU the workers on one machine share its cores (:func:`sharing`): a profile taken by fewer processes at once
+    (``chimera profile --concurrent``) timed every layer with more of the machine than a worker will have, so its
+    step times come out low (up to about workers per machine / processes profiled at once). With as many processes,
+    each should also have run the threads a worker will (``cores`` // workers per machine; ``cores``: this
+    machine's, by default)."""
+    per_machine = -(-workers // max(1, nodes))
+    share = sharing(per_machine, profile.device)
+    done = f"profile ran {profile.concurrent} process{'es' if profile.concurrent > 1 else ''} at once"
+    redo = f"re-profile with chimera profile --concurrent {share}"
+    if profile.concurrent < share:
+        return (f"{done}; {share} workers will share this machine's cores: step times are likely under-predicted "
+                f"(up to ~{share / profile.concurrent:.3g}x); {redo}")
+    if profile.concurrent > share:
+        who = (f"each worker has a {profile.device} device of its own" if profile.device != "cpu" else
+               f"{share} worker{'s' if share > 1 else ''} will share one machine")
+        return f"{done}; {who}: step times are likely over-predicted; {redo}"
+    if profile.device != "cpu":
+        return ""
+    cores = cores or os.cpu_count() or 1
+    threads = max(1, cores // share)
+    if profile.threads != threads:
+        return (f"profile ran {profile.threads} thread(s) per process; each of {share} worker(s) on this {cores}-core "
+                f"machine runs {threads} (chimera train's default): step times may be off; {redo} --threads "
+                f"{threads}")
+    return ""
 
 
 def profile_path(chain: Any, device: str, threads: int, concurrent: int) -> Path:

@@ -1,7 +1,7 @@
 """The profile file: per-layer costs and bytes at several micro-batch sizes, and the cluster's communication.
 
 A profile is what the planner reads (``chimera plan``); ``chimera profile`` writes one (versioned JSON). It
-records where it was taken (device, dtype, library versions, threads) and a fingerprint of the model, so a
+records how it was taken (device, dtype, library versions, threads per process, processes at once) and a fingerprint of the model, so a
 profile of another model, device or library version is refused with a message instead of planning on stale
 numbers::
 
@@ -118,6 +118,12 @@ class Profile:
     created: str = ""
     version: int = PROFILE_VERSION
     notes: list[str] = field(default_factory=list)
+    concurrent: int = 1  # processes profiled at once, in lock-step (``--concurrent``; files without it: 1)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.concurrent, int) or self.concurrent < 1:
+            raise ProfileError(f"profile field concurrent must be an integer >= 1, got {self.concurrent!r}; take "
+                               "the profile again with chimera profile")
 
     # -- reading --------------------------------------------------------------------------------------
     def cost(self, layer: int, micro_batch_size: int) -> LayerCost:

@@ -17,6 +17,7 @@ dtypes inferred on the meta device, as the runtime does when it sends them (floa
 from __future__ import annotations
 
 import math
+import os
 import platform
 import sys
 import time
@@ -64,9 +65,16 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
     processes at once, in lock-step (every timed run starts in all of them together), and keep the timings of
     the slowest process: alone, a CPU worker's layers run faster than they will beside the others, and a
     synchronous step waits for its slowest worker (the cores a machine shares out are not equally fast).
-    ``progress(done, total)`` hears every layer profiled (one process's, when concurrent).
+    ``threads`` (per process) defaults to torch's alone, and with ``concurrent`` > 1 to this machine's cores
+    shared among the processes, as that many workers take them (:func:`chimera.compile.worker_threads`). The
+    profile records ``concurrent`` (:attr:`Profile.concurrent`), which the planner checks against the workers
+    that will share a machine. ``progress(done, total)`` hears every layer profiled (one process's, when
+    concurrent).
     """
+    if not isinstance(concurrent, int) or concurrent < 1:
+        raise ProfileError(f"concurrent must be an integer >= 1 (processes profiled at once), got {concurrent!r}")
     if concurrent > 1:
+        threads = threads or max(1, (os.cpu_count() or 1) // concurrent)
         return _concurrently(chain, micro_batch_sizes, concurrent,
                              {"device": device, "reps": reps, "warmup": warmup, "seed": seed, "threads": threads,
                               "comm": comm, "amp": amp, "probe_memory": probe_memory}, progress)
@@ -135,6 +143,7 @@ def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str,
     totals = [_total_seconds(r) for r in results]
     slowest = int(np.argmax(totals))
     merged = results[slowest]
+    merged["concurrent"] = n
     merged["notes"].append(f"profiled in {n} processes at once (as {n} workers share this machine); the timings of "
                            f"the slowest (totals {', '.join(f'{t:.4f}' for t in totals)} s)")
     return Profile.from_dict(merged)

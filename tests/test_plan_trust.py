@@ -1,0 +1,99 @@
+"""How a profile was taken travels to the plan: the profile records how many processes ran at once
+(``--concurrent``; old files read 1), and ``chimera plan`` says plainly when that differs from the workers that
+will share a CPU machine (a ``trust`` line and field), which a job compiled from the plan carries to the run."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from chimera.cli import main
+from chimera.compile import compile_job
+from chimera.config import TrainConfig
+from chimera.models import build_model
+from chimera.plan import PlanFile
+from chimera.plan.profiles import trust_note
+from chimera.profile import Profile, ProfileError, fingerprint
+from chimera.profile.synthetic import layer, profile
+from ray_launch.command import _summary
+from ray_launch.recovery import RunReport
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZES = (2, 4)
+
+
+def synthetic(concurrent: int = 1, threads: int = 1, device: str = "cpu", layers: int = 4) -> Profile:
+    prof = profile([layer(i, 0.002, 10_000, 10_000, 1_000, SIZES) for i in range(layers)], SIZES)
+    return dataclasses.replace(prof, concurrent=concurrent, threads=threads, device=device)
+
+
+def test_the_profile_file_keeps_concurrent_and_an_old_file_reads_one(tmp_path):
+    prof = synthetic(concurrent=3)
+    loaded = Profile.load(prof.save(tmp_path / "p.json"))
+    assert loaded == prof and loaded.concurrent == 3
+    old = prof.to_dict()
+    del old["concurrent"]  # a file written before the field existed
+    assert Profile.from_dict(old).concurrent == 1
+    for bad in (0, "2"):
+        with pytest.raises(ProfileError, match="concurrent must be an integer >= 1"):
+            Profile.from_dict({**old, "concurrent": bad})
+
+
+def test_trust_says_when_fewer_processes_ran_than_workers_share_a_cpu_machine():
+    note = trust_note(synthetic(concurrent=1), workers=2, cores=2)
+    assert "ran 1 process at once; 2 workers will share" in note and "under-predicted (up to ~2x)" in note
+    assert note.endswith("re-profile with chimera profile --concurrent 2")
+    assert "up to ~4x" in trust_note(synthetic(concurrent=2), workers=8, cores=8)
+    assert trust_note(synthetic(concurrent=2), workers=2, cores=2) == ""  # taken as the workers will run
+    assert trust_note(synthetic(concurrent=2, threads=2), workers=4, nodes=2, cores=4) == ""  # 2 per machine
+    assert trust_note(synthetic(concurrent=1, device="cuda"), workers=8) == ""  # one GPU each: nothing shared
+    assert "2 workers will share one machine: step times are likely over-predicted" in trust_note(
+        synthetic(concurrent=4), workers=2, cores=2)
+    assert "cuda device of its own: step times are likely over-predicted; re-profile with chimera profile " \
+           "--concurrent 1" in trust_note(synthetic(concurrent=2, device="cuda"), workers=8)
+    threads = trust_note(synthetic(concurrent=2, threads=2), workers=2, cores=2)
+    assert "ran 2 thread(s) per process" in threads and threads.endswith("--concurrent 2 --threads 1")
+
+
+def _profile_of_bert(tmp_path, concurrent: int) -> str:
+    """A synthetic profile that passes bert-tiny's check (its fingerprint and layer count), threads as a worker
+    of two on this machine runs."""
+    chain = build_model("bert-tiny", seq_len=8)
+    prof = dataclasses.replace(synthetic(concurrent, max(1, (os.cpu_count() or 1) // 2), layers=chain.num_layers),
+                               model=chain.name, fingerprint=fingerprint(chain))
+    return str(prof.save(tmp_path / f"c{concurrent}.profile.json"))
+
+
+@pytest.mark.parametrize("concurrent", [1, 2])
+def test_chimera_plan_prints_and_writes_the_trust_line(concurrent, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    # --profile: the deprecated spelling of --profile-file, accepted too
+    assert main(["plan", "--model", "bert-tiny", "--seq-len", "8", "--profile", _profile_of_bert(tmp_path, concurrent),
+                 "--workers", "2", "--global-batch", "8", "-o", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    trust = [x for x in lines if x.startswith("trust: ")]
+    saved = json.loads(out.read_text())["trust"]
+    assert len(trust) == 1
+    if concurrent == 1:
+        assert "profile ran 1 process at once; 2 workers will share" in trust[0] and saved == trust[0][7:]
+    else:
+        assert trust[0] == "trust: profile taken as the workers will run (2 process(es) at once, " \
+                           f"{max(1, (os.cpu_count() or 1) // 2)} thread(s) each)" and saved == ""
+    job = compile_job(TrainConfig.from_flags(model="bert-tiny", seq_len=8, plan=str(out), steps=1,
+                                             corpus="synthetic"))
+    assert job.prediction is not None and job.prediction.trust == saved == PlanFile.load(out).trust
+    # the run's summary: the note right under its measured / predicted line
+    records = [{"loss": 1.0, "samples_per_s": 1.0, "step_time_s": 0.1}] * 3
+    _summary(job, records, RunReport(), tmp_path / "m.jsonl", tmp_path / "c.toml")
+    lines = capsys.readouterr().out.splitlines()
+    ratio = next(i for i, x in enumerate(lines) if "measured / predicted" in x)
+    assert lines[ratio + 1:] == ([f"  the plan's trust note: {saved}"] if saved else [])
+
+
+def test_chimera_plan_refuses_bad_nodes_and_a_missing_profile(tmp_path, capsys):
+    assert main(["plan", "--model", "bert-tiny", "--workers", "2"]) == 2
+    assert "--profile-file is required" in capsys.readouterr().err
+    assert main(["plan", "--model", "bert-tiny", "--profile-file", "x.json", "--workers", "2", "--nodes", "3"]) == 2
+    assert "need 1 <= --nodes <= --workers (2)" in capsys.readouterr().err
