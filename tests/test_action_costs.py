@@ -28,3 +28,29 @@ def test_the_runtime_measures_a_positive_fixed_time_per_compute_kind():
     assert all(0 < v < 0.05 for v in fixed.values()), fixed  # sub-millisecond on an idle machine; never a sleep
     with pytest.raises(ValueError, match="workers >= 2"):
         measure_action_costs(1)
+
+
+def test_a_profile_carries_the_runtime_costs_into_the_planners_simulation(tmp_path):
+    """A profile with the runtime's time per action (``chimera profile --comm local`` measures it) keeps it in its
+    file (an older file reads none) and the planner's costs charge it: 1F1B at D = 2, N = 4 with 1 ms more per F
+    and per B takes 10 ms longer (10 actions on its critical path)."""
+    import dataclasses
+
+    from chimera.plan.costs import simulator_costs
+    from chimera.profile import Profile
+    from chimera.profile.synthetic import layer, profile
+
+    prof = profile([layer(i, 0.002, 10_000, 10_000, 1_000, (2,)) for i in range(4)], (2,))
+    timed = dataclasses.replace(prof, actions={"F": 0.001, "B": 0.001})
+    loaded = Profile.load(timed.save(tmp_path / "p.json"))
+    assert loaded.actions == {"F": 0.001, "B": 0.001}
+    old = timed.to_dict()
+    del old["actions"]
+    assert Profile.from_dict(old).actions == {}
+    s = build_schedule("1f1b", 2, 4)
+    layers = [[0, 1], [2, 3]]
+    plain = simulate(s, simulator_costs(prof, layers, 2, False, s)).makespan
+    charged = simulate(s, simulator_costs(loaded, layers, 2, False, s)).makespan
+    # the critical path of 1F1B at D = 2, N = 4: worker 0's first forward, then worker 1's 8 actions, then worker
+    # 0's last backward: 10 actions, each 1 ms longer
+    assert charged - plain == pytest.approx(0.010)

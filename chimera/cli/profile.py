@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -85,6 +86,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
         comm = _probe(args.comm)(args) if args.comm != "none" else None
         prof = profile_chain(chain, args.micro_batch_sizes, device=args.device, reps=args.reps, warmup=args.warmup,
                              threads=args.threads, comm=comm, concurrent=args.concurrent)
+        if args.comm == "local":  # the runtime's own time per action, measured by running it here
+            from chimera.calibrate import measure_action_costs
+
+            prof = replace(prof, actions=measure_action_costs(args.probe_workers, steps=8, skip=3,
+                                                              device=args.device))
     except (ProfileError, RuntimeError) as e:  # RuntimeError: the Ray probe's RunError
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -97,6 +103,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         c = layer.costs[b]
         print(f"{layer.index:>5} {layer.kind[:22]:<22} {layer.params:>10} {c.forward.median_s * 1e3:>8.3f} "
               f"{c.backward.median_s * 1e3:>8.3f} {c.stash_bytes / 1024:>10.1f}")
+    if prof.actions:
+        print("runtime per action (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in prof.actions.items()))
     if prof.max_micro_batch_size is not None:
         print(f"largest micro-batch size that fits: {prof.max_micro_batch_size}")
     if comm is not None:

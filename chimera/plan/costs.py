@@ -87,6 +87,8 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
                  copy_overlap=profile.device.startswith("cuda"))
     if profile.comm is not None:
         base = _with_comm(base, profile, profile.comm, stage_layers, sc, schedule)
+    if profile.actions:  # the runtime's own time per action (chimera profile --comm local measures it)
+        base = replace(base, fixed=tuple(sorted(profile.actions.items())))
     return base.first_stage_whole_backward(len(stage_layers))
 
 

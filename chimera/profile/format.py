@@ -119,6 +119,7 @@ class Profile:
     version: int = PROFILE_VERSION
     notes: list[str] = field(default_factory=list)
     concurrent: int = 1  # processes profiled at once, in lock-step (``--concurrent``; files without it: 1)
+    actions: dict[str, float] = field(default_factory=dict)  # the runtime's fixed s per action, by kind ({}: none)
 
     def __post_init__(self) -> None:
         if not isinstance(self.concurrent, int) or self.concurrent < 1:
