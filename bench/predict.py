@@ -11,8 +11,9 @@ LoopedBFS) the compute order torch's schedule object itself runs (its ``pipeline
 Chimera rows are predicted with the runtime's own costs too (:class:`Calibration`, measured once per run before
 any row starts): the lowered schedule the job runs, every message the gloo ping-pong's one-way time between two
 processes of this machine (and as much of the worker's time to post and complete), every gradient sum one such
-exchange, and every compute action the runtime's fixed time per action of its kind
-(:func:`chimera.calibrate.measure_action_costs`). torch.pp rows keep the schedule-only figure: their
+exchange, every compute action the runtime's fixed time per action of its kind
+(:func:`chimera.calibrate.measure_action_costs`), and every step what zero-sleep 1F1B steps (run locally, whole
+and split backward) take beyond their simulation with those costs, charged to the optimizer step. torch.pp rows keep the schedule-only figure: their
 runtime's costs are torch's, not measured here.
 
 No prediction (None) for the real-model rows: one-thread stage profiles taken on the shared 2-core development
@@ -22,6 +23,7 @@ than about the schedule.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 
 from bench.workloads import Workload
@@ -40,23 +42,29 @@ class Calibration:
 
     p2p_s: float
     fixed: tuple[tuple[str, float], ...]
+    step_s: float = 0.0  # what a step costs beyond its actions (charged to its optimizer step)
 
     @staticmethod
     def measure(workers: int) -> Calibration:
-        from chimera.calibrate import measure_action_costs
+        from chimera.calibrate import measure_runtime
         from chimera.profile.comm import measure_comm_local
 
         p2p = measure_comm_local(2, sizes=(512,), reps=200).p2p.latency_s
-        return Calibration(p2p, tuple(measure_action_costs(workers).items()))
+        fixed, runs = measure_runtime(workers)
+        c = Calibration(p2p, tuple(fixed.items()))
+        # the zero-sleep runs' steps beyond their simulation with these costs: the per-step remainder
+        extra = [step - float(simulate(s, c.costs(0.0, s.stages)).makespan) for s, step in runs]
+        return replace(c, step_s=max(0.0, statistics.median(extra)))
 
     def costs(self, tf: float, stages: int) -> Costs:
         """The delay costs with these runtime costs (module docstring)."""
-        c = replace(delay_costs(tf, stages), fixed=self.fixed)
+        c = replace(delay_costs(tf, stages), fixed=self.fixed, optimizer=self.step_s)
         return replace(c, p2p_latency=self.p2p_s, p2p_busy=self.p2p_s, allreduce=self.p2p_s, sync_start=self.p2p_s)
 
     def text(self) -> str:
         per = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in self.fixed)
-        return f"gloo ping-pong one way (the link's limit) {self.p2p_s * 1e3:.3f} ms; runtime per action (ms): {per}"
+        return (f"gloo ping-pong one way (the link's limit) {self.p2p_s * 1e3:.3f} ms; runtime per action (ms): {per}; "
+                f"per step beyond its actions {self.step_s * 1e3:.3f} ms")
 
 
 def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | None = None,

@@ -19,14 +19,24 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+from chimera.schedule import Schedule
+
 #: the kinds measured: the compute kinds of a whole and a split backward
 KINDS = ("F", "B", "I", "W")
 
 
 def measure_action_costs(workers: int = 2, steps: int = 12, skip: int = 4, micro_batches: int | None = None,
                          device: str = "cpu") -> dict[str, float]:
-    """Median seconds per action of each compute kind (:data:`KINDS`) over steps ``skip..steps-1`` of 1F1B with a
+    """Median seconds per action of each compute kind (:data:`KINDS`) over steps ``skip, skip+2, ...`` of 1F1B with a
     whole and with a split backward on ``workers`` workers, the delay model sleeping 0 s (module docstring)."""
+    return measure_runtime(workers, steps, skip, micro_batches, device)[0]
+
+
+def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batches: int | None = None,
+                    device: str = "cpu") -> tuple[dict[str, float], list[tuple[Schedule, float]]]:
+    """:func:`measure_action_costs`, and per job run (1F1B whole and split) its lowered schedule and the median
+    seconds of its steps that recorded nothing (``skip+1, skip+3, ...``): what a step costs beyond its actions is
+    what those steps take beyond their simulation."""
     from chimera.compile import compile_job
     from chimera.config import TrainConfig
     from chimera.runtime.launch import run_local
@@ -35,13 +45,19 @@ def measure_action_costs(workers: int = 2, steps: int = 12, skip: int = 4, micro
         raise ValueError(f"need workers >= 2 and steps > skip, got workers={workers}, steps={steps}, skip={skip}")
     n = micro_batches or 2 * workers
     durations: dict[str, list[float]] = defaultdict(list)
+    runs: list[tuple[Schedule, float]] = []
     for split in (False, True):
         cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": workers, "fwd_s": 0.0},
                                      schedule="1f1b", split_backward=split, stages=workers, micro_batches=n,
                                      micro_batch_size=2, steps=steps, optimizer="sgd", lr=1e-3, clip_grad=0.0,
                                      threads=1, device=device, corpus="synthetic", partition="uniform", profile=True,
-                                     profile_steps=tuple(range(skip, steps)))
-        for e in run_local(compile_job(cfg)).events:
+                                     profile_steps=tuple(range(skip, steps, 2)))
+        job = compile_job(cfg)
+        result = run_local(job)
+        for e in result.events:
             if e.kind in KINDS:
                 durations[e.kind].append(e.end - e.start)
-    return {k: statistics.median(durations[k]) for k in KINDS if durations[k]}
+        # steps skip, skip+2, ... record their actions; the others, untouched by the recorder, are timed
+        timed = [m["step_time_s"] for m in result.metrics[skip + 1::2]] or [m["step_time_s"] for m in result.metrics]
+        runs.append((job.schedule, statistics.median(timed)))
+    return {k: statistics.median(durations[k]) for k in KINDS if durations[k]}, runs
