@@ -23,16 +23,10 @@ from chimera.schedule import Schedule
 
 
 def stage_parameters(chain: LayerChain, layers: Sequence[int]) -> list[tuple[str, int]]:
-    """``(layer{i}.{param}, bytes)`` of a stage's parameters in its module's order, a shared one once (first name)."""
+    """``(layer{i}.{param}, bytes)`` of a stage's parameters in its module's order, a shared one once
+    (``StageModule.named_once``)."""
     mod = build_stage(chain, layers, 0, device=torch.device("meta"))
-    seen: set[int] = set()
-    out = []
-    for i, layer in zip(mod.indices, mod.layers):
-        for name, p in layer.named_parameters(remove_duplicate=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append((f"layer{i}.{name}", p.numel() * p.element_size()))
-    return out
+    return [(name, p.numel() * p.element_size()) for name, p in mod.named_once()]
 
 
 def assign(stages: Mapping[int, Sequence[tuple[str, int]]], groups: Mapping[int, Sequence[int]]

@@ -83,6 +83,18 @@ class StageModule(nn.Module):
         assert self.loss_fn is not None
         return self.loss_fn(x, labels)
 
+    def named_once(self) -> list[tuple[str, nn.Parameter]]:
+        """``(layer{i}.{param}, parameter)`` in the module's order, a parameter shared by two layers once (its first
+        name): the names the optimizer-sharding pass gives owners and the runtime looks them up by."""
+        seen: set[int] = set()
+        out = []
+        for i, layer in zip(self.indices, self.layers):
+            for name, p in layer.named_parameters(remove_duplicate=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((f"layer{i}.{name}", p))
+        return out
+
 
 def unit_seed(seed: int, step: int, unit: int, rank: int) -> int:
     """The seed of one unit's random draws in one step (``StageModule.forward``'s ``rng``): a function of the run's

@@ -22,19 +22,6 @@ from chimera.runtime.comm import Communicator
 BUCKET_BYTES = 25 * 2**20
 
 
-def named_unique(mod: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    """``(layer{i}.{param}, parameter)`` of a stage module in its order, a shared parameter once (its first name):
-    the names ``OptimizerShards.owners`` uses."""
-    seen: set[int] = set()
-    out = []
-    for i, layer in zip(mod.indices, mod.layers):
-        for name, p in layer.named_parameters(remove_duplicate=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append((f"layer{i}.{name}", p))
-    return out
-
-
 class ShardedUpdate:
     """Which of a worker's parameters it steps, and the broadcasts of the others' (module docstring)."""
 
@@ -43,7 +30,7 @@ class ShardedUpdate:
         self.owned: list[torch.nn.Parameter] = []
         self.buckets: list[tuple[int, int, Any, list[torch.nn.Parameter]]] = []  # (stage, owner, group, params)
         for (_, s), mod in sorted(modules.items(), key=lambda kv: kv[0][1]):
-            named = named_unique(mod)
+            named = mod.named_once()
             if s not in shards.owners:  # held by this rank alone
                 self.owned += [p for _, p in named]
                 continue
