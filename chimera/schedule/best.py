@@ -22,7 +22,9 @@ budget with :func:`exclude`. The candidates are the registry's (:func:`chimera.s
 ``steps`` >= 2 also simulates that many consecutive steps of each candidate with the overlapped step boundary
 (:mod:`chimera.schedule.steps`: each stage updated as soon as its own gradients are summed) and gives its
 steady-state ``period``; ``by="period"`` ranks by it (default: by one step's makespan, as the planner and
-training's ``auto`` do).
+training's ``auto`` do), and adds, for each split-backward candidate that could beat the best period found, its
+steps ordered jointly with weight gradients deferred across step boundaries (:func:`chimera.schedule.steps.deferred`;
+label ``... +W deferred``): simulator-only, the runtime runs each step's list as it is.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from chimera.schedule.ir import Schedule, ScheduleConfigError
+from chimera.schedule.ir import Kind, Schedule, ScheduleConfigError
 from chimera.schedule.registry import build_schedule, candidates
-from chimera.schedule.simulate import Costs, Num, peak_activations, simulate
+from chimera.schedule.simulate import Costs, Num, SimResult, peak_activations, simulate
 from chimera.schedule.steps import period as steps_period
 
 RANK_BY = ("makespan", "period")
@@ -45,7 +47,11 @@ RANK_BY = ("makespan", "period")
 class Choice:
     """One simulated candidate: its flags (``label``), build options, makespan, bubble, peak activations, the
     shares of the model a worker holds, whether it fits (and if not, ``over``: by how much), the schedule, and
-    (where asked for) the steady-state period of consecutive overlapped steps."""
+    (where asked for) the steady-state period of consecutive overlapped steps.
+
+    ``deferred``: the candidate's steps ordered jointly, W deferred across step boundaries (module docstring);
+    then ``makespan`` is the first step's end (its deferred W included), ``bubble`` the steady state's
+    (1 - busy / (workers * period)), ``peak`` that of the joint order, and ``schedule`` the one-step schedule."""
 
     label: str
     name: str
@@ -58,6 +64,7 @@ class Choice:
     over: str = ""
     schedule: Schedule | None = field(default=None, compare=False, repr=False)
     period: Num | None = None
+    deferred: bool = False
 
 
 def per_stage(costs: Costs, chunks: int) -> Costs:
@@ -87,7 +94,7 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
     ``sharded_memory``: the part of ``weight_memory`` that is optimizer state sharded over each stage's replicas
     (``--shard-optimizer``; :func:`owned_shares`)."""
     _check_by(by, steps)
-    out = []
+    out, split_ones = [], []
     for label, spec, options in candidates(stages, microbatches, halving):
         chunks = spec.chunks_of(options)
         if layers is not None and spec.parts(stages, options) > layers:
@@ -100,13 +107,44 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
             continue
         r = simulate(s, split)
         peak, shares = footprint(s, chunks, r.peak_activations)
-        need = peak + weight_memory * shares
-        if sharded_memory:  # each replica keeps only its part of the stage's optimizer state
-            need -= sharded_memory * (shares - owned_shares(s, chunks))
-        over = "" if memory_limit is None or need <= memory_limit else f"needs {float(need):g}"
+        over = _over(s, chunks, peak, shares, memory_limit, weight_memory, sharded_memory)
         per = steps_period(s, split, steps).period if steps > 1 else None
         out.append(Choice(label, spec.name, options, r.makespan, r.bubble, peak, not over, shares, over, s, per))
-    return _sorted(out, by)
+        if by == "period" and any(a.kind is Kind.W for row in s.actions for a in row):
+            split_ones.append((out[-1], split, r, chunks))
+    limits = (memory_limit, weight_memory, sharded_memory)
+    return _sorted(out + (_deferred(out, split_ones, steps, limits) if split_ones else []), by)
+
+
+def _over(s: Schedule, chunks: int, peak: Num, shares: Num, memory_limit: Num | None, weight_memory: Num,
+          sharded_memory: Num) -> str:
+    """By how much a worker of ``s`` holding ``peak`` and ``shares`` exceeds ``memory_limit`` ("" if it fits)."""
+    need = peak + weight_memory * shares
+    if sharded_memory:  # each replica keeps only its part of the stage's optimizer state
+        need -= sharded_memory * (shares - owned_shares(s, chunks))
+    return "" if memory_limit is None or need <= memory_limit else f"needs {float(need):g}"
+
+
+def _deferred(ranked: Sequence[Choice], split_ones: Sequence[tuple[Choice, Costs, SimResult, int]], steps: int,
+              limits: tuple[Num | None, Num, Num]) -> list[Choice]:
+    """The W-deferred variants (module docstring) of the split-backward candidates ``split_ones``, fastest period
+    first, each only while it could beat the best period that fits so far: no order's period is under its
+    busiest worker's compute per step."""
+    fitting = [c.period for c in ranked if c.fits]
+    top = min(fitting) if fitting else None
+    out = []
+    for c, split, r, chunks in sorted(split_ones, key=lambda x: x[0].period):
+        if top is not None and max(r.busy) >= top:
+            continue
+        p = steps_period(c.schedule, split, steps, defer_w=True)
+        peak, _ = footprint(p.result.schedule, chunks)
+        over = _over(c.schedule, chunks, peak, c.shares, *limits)
+        bubble = 1 - Fraction(sum(Fraction(b) for b in r.busy)) / (len(r.busy) * Fraction(p.period))
+        out.append(dataclasses.replace(c, label=f"{c.label} +W deferred", makespan=p.makespan, bubble=_num(bubble),
+                                       peak=peak, fits=not over, over=over, period=p.period, deferred=True))
+        if not over and (top is None or p.period < top):
+            top = p.period
+    return out
 
 
 def footprint(schedule: Schedule, chunks: int, peaks: Sequence[Num] | None = None) -> tuple[Num, Num]:
@@ -199,9 +237,10 @@ def ranking(choice: Choice, ranked: Sequence[Choice], by: str = "makespan") -> d
 def table(choice: Choice, ranked: Sequence[Choice], by: str = "makespan") -> str:
     """One line per candidate (its period where simulated), then why the choice."""
     periods = any(c.period is not None for c in ranked)
-    lines = [f"{'schedule':<42} {'makespan':>9}{' period' if periods else ''} {'bubble':>7} {'peak':>5} "
+    wide = max([42, *(len(c.label) for c in ranked)])
+    lines = [f"{'schedule':<{wide}} {'makespan':>9}{' period' if periods else ''} {'bubble':>7} {'peak':>5} "
              f"{'shares':>6}"]
-    lines += [f"{c.label:<42} {float(c.makespan):>9g}{_cell(c.period) if periods else ''} {float(c.bubble):>7.3f} "
+    lines += [f"{c.label:<{wide}} {float(c.makespan):>9g}{_cell(c.period) if periods else ''} {float(c.bubble):>7.3f} "
               f"{float(c.peak):>5g} {float(c.shares):>6g}"
               f"{'' if c.fits else '  over the memory limit: ' + (c.over or '')}" for c in ranked]
     return "\n".join([*lines, explain(choice, ranked, by)])

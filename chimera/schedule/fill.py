@@ -76,13 +76,24 @@ class _Run:
     in the order they were sent (a receiver must take them in that order, as the runtime's channels match
     messages in posting order)."""
 
-    def __init__(self, stages: int, placement: Mapping[tuple[str, int], int], fifo: bool = True) -> None:
+    def __init__(self, stages: int, placement: Mapping[tuple[str, int], int], fifo: bool = True,
+                 step_size: Mapping[str, int] | None = None) -> None:
         self.stages = stages
         self.place = placement
         self.fifo = fifo
+        # consecutive steps (list_schedule's step_size): per (stage, step) the micro-batch units of W due, and
+        # [units of W started, the latest end among them]
+        self.step = step_size
+        self.due: dict[tuple[int, int], int] = {}
+        self.made: dict[tuple[int, int], list[Any]] = {}
         self.done: dict[tuple[Kind, str, int], dict[int, Any]] = {}  # (kind, pipe, stage) -> micro-batch -> end
         self.channels: dict[tuple[int, int, str], deque[tuple[Kind, str, int, int]]] = {}
         self._wiring: dict[tuple[Kind, str, int, int], _Wiring] = {}
+
+    def updated(self, stage: int, step: int, t: Any) -> bool:
+        """Whether every replica of ``stage`` has made its weight gradients of ``step`` by ``t``."""
+        made = self.made.get((stage, step))
+        return made is not None and made[0] == self.due[(stage, step)] and made[1] <= t
 
     def _ends(self, kind: Kind, pipe: str, stage: int) -> dict[int, Any]:
         return self.done.setdefault((kind, pipe, stage), {})
@@ -117,6 +128,10 @@ class _Run:
                 self.channels[inbound].popleft()
             if outbound is not None:
                 outbound.append((a.kind, a.pipe, a.stage, a.microbatch))
+        elif self.step is not None:  # a W: the stage's update of its step waits for it
+            made = self.made.setdefault((a.stage, a.microbatch // self.step[a.pipe]), [0, end])
+            made[0] += a.count
+            made[1] = max(made[1], end)
         if a.count == 1:
             ends[a.microbatch] = end
             return
@@ -130,14 +145,27 @@ _Wiring = tuple[tuple[dict[int, Any], ...], tuple[int, int, str] | None, deque[t
 
 def list_schedule(stages: int, placement: Mapping[tuple[str, int], int], seqs: Sequence[Sequence[Action]],
                   caps: Sequence[int | None] | None = None, defer: Sequence[int | None] | None = None,
-                  in_order: bool = False, costs: Costs = EQUAL, fifo: bool = True) -> list[list[Action]]:
+                  in_order: bool = False, costs: Costs = EQUAL, fifo: bool = True,
+                  step_size: Mapping[str, int] | None = None) -> list[list[Action]]:
     """Per worker, the order its main actions (F, I) and their W run in (module docstring).
 
     ``fifo``: a worker takes each channel's messages in the order they were sent. Without it, a main action waits
     only for what it consumes; the lowering (:func:`chimera.schedule.lowering.in_channel_order`) then posts the
     receives so that each channel's messages are still taken in order, which never adds a wait.
+
+    ``step_size``: ``seqs`` hold consecutive training steps, step j of a pipe being its micro-batches
+    ``j * step_size[pipe]`` on (:func:`chimera.schedule.steps.deferred`). A stage's main actions of step j wait
+    for every W of the stage in step j-1 on all its replicas (the overlapped step boundary: the stage is updated
+    between), nothing else; so a worker may run a step's forwards of one stage before the previous step's W of
+    another (W deferred across the boundary). Pending W are taken oldest first, as within a step.
     """
-    run = _Run(stages, placement, fifo)
+    run = _Run(stages, placement, fifo, step_size)
+    if step_size is not None:
+        for seq in seqs:
+            for a in seq:
+                if a.kind is _I:
+                    key = (a.stage, a.microbatch // step_size[a.pipe])
+                    run.due[key] = run.due.get(key, 0) + a.count
     workers = [_Worker(seq, caps[w] if caps else None, defer[w] if defer else None, in_order)
                for w, seq in enumerate(seqs)]
     events: list[Any] = [0]
@@ -189,7 +217,7 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool
             wire = slot[1]
             if wire is None:
                 wire = slot[1] = run.wiring(a, me)
-            if not _ready(a, wire, channels, t):
+            if not _ready(a, wire, channels, t, run):
                 continue
             if in_order:
                 w.pos += 1
@@ -205,11 +233,16 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool
     return _run_w(w) if w.pending_w else None  # its I has finished: the worker was busy with it until now
 
 
-def _ready(a: Action, wire: _Wiring, channels: dict[tuple[int, int, str], deque[Any]], t: Any) -> bool:
+def _ready(a: Action, wire: _Wiring, channels: dict[tuple[int, int, str], deque[Any]], t: Any, run: _Run) -> bool:
     """Whether main action ``a`` (of the group wired so) can start at ``t``: what it consumes was made by then,
-    and its input is the next message of its channel."""
+    its input is the next message of its channel, and (consecutive steps) its stage was updated after the
+    previous step."""
     needs, inbound, _, _, expect, _ = wire
     first = a.microbatch
+    if run.step is not None:
+        j = first // run.step[a.pipe]
+        if j and not run.updated(a.stage, j - 1, t):
+            return False
     if a.count == 1:
         for ends in needs:
             end = ends.get(first)

@@ -37,9 +37,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+from chimera.schedule.fill import EQUAL, list_schedule
 from chimera.schedule.ir import Action, Schedule, _replace
-from chimera.schedule.kinds import SPECS, Address, Res, Role
+from chimera.schedule.kinds import SPECS, Address, Kind, Res, Role
 from chimera.schedule.simulate import Costs, Num, SimResult, Simulator
+
+
+def step_sizes(schedule: Schedule) -> dict[str, int]:
+    """Per pipe, one past its highest micro-batch number in one step of ``schedule``: step j's micro-batches of the
+    pipe are numbered ``j * size`` on in consecutive steps."""
+    size: dict[str, int] = {}
+    for row in schedule.actions:
+        for a in row:
+            if SPECS[a.kind].address is Address.MICROBATCH:
+                size[a.pipe] = max(size.get(a.pipe, 0), a.microbatch + a.count)
+    return size
 
 
 def repeat(schedule: Schedule, steps: int) -> Schedule:
@@ -49,11 +61,7 @@ def repeat(schedule: Schedule, steps: int) -> Schedule:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if steps == 1:
         return schedule
-    size: dict[str, int] = {}
-    for row in schedule.actions:
-        for a in row:
-            if SPECS[a.kind].address is Address.MICROBATCH:
-                size[a.pipe] = max(size.get(a.pipe, 0), a.microbatch + a.count)
+    size = step_sizes(schedule)
 
     def shifted(a: Action, j: int) -> Action:
         if j == 0 or SPECS[a.kind].address is not Address.MICROBATCH:
@@ -65,41 +73,74 @@ def repeat(schedule: Schedule, steps: int) -> Schedule:
                     name=f"{schedule.name} x{steps}")
 
 
-def boundaries(schedule: Schedule, steps: int, overlap: bool) -> dict[int, tuple[int, ...]]:
-    """The ordering edges between the steps of ``repeat(schedule, steps)`` (module docstring), as flat index ->
-    the flat indices it waits for (:class:`~chimera.schedule.replay.Replay`'s ``after``)."""
-    rows = schedule.actions
+def deferred(schedule: Schedule, steps: int, costs: Costs = EQUAL) -> Schedule:
+    """``steps`` consecutive steps of the compute-only, split-backward ``schedule`` ordered jointly by the
+    zero-bubble list scheduler (:func:`chimera.schedule.fill.list_schedule` with ``step_size``): each worker keeps
+    the order of ``schedule``'s forwards and input-gradient backwards (as preferences: a later one may go first
+    when it can run and the earlier cannot), with the overlapped step boundary as dependencies (a stage's
+    next-step compute waits for its W on every replica), and runs W wherever it would otherwise wait, so step
+    j's W of one stage may run after step j+1's first forwards of another: Zero Bubble's steady state.
+    Micro-batches are numbered as :func:`repeat` does; simulate it with :func:`simulate_steps` (``defer_w``)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    kinds = {a.kind for row in schedule.actions for a in row}
+    if schedule.lowered or Kind.W not in kinds or not kinds <= {Kind.F, Kind.I, Kind.W}:
+        raise ValueError(f"{schedule.name}: deferring weight gradients across steps needs a compute-only schedule "
+                         "with split backward (F, I and W only): build it with --split-backward")
+    main = _replace(schedule, actions=[[a for a in row if a.kind is not Kind.W] for row in schedule.actions])
+    rows = list_schedule(schedule.stages, schedule.placement, repeat(main, steps).actions, costs=costs, fifo=False,
+                         step_size=step_sizes(schedule))
+    return _replace(schedule, actions=rows, microbatches=schedule.microbatches * steps,
+                    name=f"{schedule.name} x{steps} W deferred")
+
+
+def _steps_of(many: Schedule, one: Schedule, steps: int, by_microbatch: bool) -> list[list[int]]:
+    """The step of every action of ``many`` (consecutive steps of ``one``): by position where each worker runs
+    its list of ``one`` step after step, else (:func:`deferred`) by micro-batch number."""
+    if not by_microbatch:
+        return [[j for j in range(steps) for _ in row] for row in one.actions]
+    size = step_sizes(one)
+    return [[a.microbatch // size[a.pipe] for a in row] for row in many.actions]
+
+
+def boundaries(schedule: Schedule, steps: int, overlap: bool, _many: Schedule | None = None
+               ) -> dict[int, tuple[int, ...]]:
+    """The ordering edges between the steps of ``repeat(schedule, steps)`` (or of ``_many``, its steps ordered
+    jointly by :func:`deferred`) (module docstring), as flat index -> the flat indices it waits for
+    (:class:`~chimera.schedule.replay.Replay`'s ``after``)."""
+    many = repeat(schedule, steps) if _many is None else _many
+    step_of = _steps_of(many, schedule, steps, _many is not None)
+    rows = many.actions
     base = [0]
     for row in rows:
-        base.append(base[-1] + steps * len(row))
-
-    def flat(w: int, j: int, i: int) -> int:
-        return base[w] + j * len(rows[w]) + i
-
+        base.append(base[-1] + len(row))
     gates: dict[int, tuple[int, ...]] = {}
     if not overlap:
         # where each worker's step ends: its optimizer step, else (not the last step) the next step's first action
+        one = schedule.actions
         ends = {w: next((i for i, a in enumerate(row) if SPECS[a.kind].role is Role.UPDATE), len(row))
-                for w, row in enumerate(rows) if row}
+                for w, row in enumerate(one) if row}
         for j in range(steps):
             for w, g in ends.items():
-                if g == len(rows[w]) and j == steps - 1:
+                if g == len(one[w]) and j == steps - 1:
                     continue
-                gates[flat(w, j, g)] = tuple(flat(v, j, e - 1) for v, e in ends.items() if v != w and e > 0)
+                gates[base[w] + j * len(one[w]) + g] = tuple(base[v] + j * len(one[v]) + e - 1
+                                                             for v, e in ends.items() if v != w and e > 0)
         return {k: v for k, v in gates.items() if v}
-    first: dict[tuple[int, str, int], int] = {}  # (worker, pipe, stage) -> its first compute in a step
-    last: dict[tuple[int, str, int], int] = {}  # and its last action making weight gradients
+    first: dict[tuple[int, str, int, int], int] = {}  # (worker, pipe, stage, step) -> its first compute
+    last: dict[tuple[int, int], dict[int, int]] = {}  # (stage, step) -> worker -> its last action making weight grads
     for w, row in enumerate(rows):
         for i, a in enumerate(row):
-            if a.kind.is_compute:
-                first.setdefault((w, a.pipe, a.stage), i)
+            j = step_of[w][i]
+            if a.kind.is_compute and j:
+                first.setdefault((w, a.pipe, a.stage, j), base[w] + i)
             if Res.WGRAD in SPECS[a.kind].produces:
-                last[(w, a.pipe, a.stage)] = i
-    for (w, _, s), i in first.items():
-        others = [(v, e) for (v, _, t), e in last.items() if t == s and v != w]
-        for j in range(1, steps):
-            if others:
-                gates[flat(w, j, i)] = tuple(flat(v, j - 1, e) for v, e in others)
+                last.setdefault((a.stage, j), {})[w] = base[w] + i
+    for (w, _, s, j), i in first.items():
+        # the worker's own W came before in its list (a W deferred past its stage's update would deadlock here)
+        others = tuple(e for v, e in last.get((s, j - 1), {}).items() if v != w or _many is not None)
+        if others:
+            gates[i] = others
     return gates
 
 
@@ -136,33 +177,39 @@ def _exact(x: Fraction) -> Num:
     return int(x) if x.denominator == 1 else x
 
 
-def simulate_steps(schedule: Schedule, costs: Costs | None = None, steps: int = 5, overlap: bool = True
-                   ) -> StepTimes:
+def simulate_steps(schedule: Schedule, costs: Costs | None = None, steps: int = 5, overlap: bool = True,
+                   defer_w: bool = False) -> StepTimes:
     """``steps`` consecutive steps of ``schedule`` (compute-only or lowered) simulated with ``costs`` in the mode
-    ``overlap`` (module docstring); ScheduleError on deadlock."""
-    many = repeat(schedule, steps)
-    r = Simulator(many, boundaries(schedule, steps, overlap)).run(costs)
-    return StepTimes(steps, overlap, step_ends(r, [len(row) for row in schedule.actions], steps), r)
+    ``overlap`` (module docstring); ScheduleError on deadlock. ``defer_w``: the steps ordered jointly, W
+    deferred across step boundaries (:func:`deferred`, ordered with ``costs``; overlapped boundary only)."""
+    if defer_w:
+        if not overlap:
+            raise ValueError("deferring weight gradients across steps needs the overlapped step boundary "
+                             "(overlap=True): a drained step ends with every W")
+        many = deferred(schedule, steps, costs or Costs())
+    else:
+        many = repeat(schedule, steps)
+    r = Simulator(many, boundaries(schedule, steps, overlap, many if defer_w else None)).run(costs)
+    return StepTimes(steps, overlap, step_ends(r, _steps_of(many, schedule, steps, defer_w), steps), r)
 
 
-def step_ends(r: SimResult, lengths: Sequence[int], steps: int) -> list[Num]:
-    """Per step, the latest end of its actions in ``r`` (a worker's actions end in list order, so its last one's)."""
-    flat, unit = r._ends, r._unit  # noqa: SLF001  (one end per worker and step: not every end as a Fraction)
-    out = []
-    for j in range(steps):
-        at, latest = 0, None
-        for n in lengths:
-            if n:
-                e = flat[at + (j + 1) * n - 1]
-                latest = e if latest is None or e > latest else latest
-            at += steps * n
-        latest = latest or 0
-        out.append(_exact(Fraction(latest, unit)) if unit != 1 else latest)
-    return out
+def step_ends(r: SimResult, step_of: Sequence[Sequence[int]], steps: int) -> list[Num]:
+    """Per step, the latest end of its actions in ``r`` (``step_of[w][i]``: the step of worker w's action i)."""
+    flat, unit = r._ends, r._unit  # noqa: SLF001  (the latest per step, then as a Fraction: not every end)
+    latest: list[Num] = [0] * steps
+    at = 0
+    for row in step_of:
+        for i, j in enumerate(row):
+            e = flat[at + i]
+            if e > latest[j]:
+                latest[j] = e
+        at += len(row)
+    return [_exact(Fraction(e, unit)) if unit != 1 else e for e in latest]
 
 
-def period(schedule: Schedule, costs: Costs | None = None, steps: int = 5, overlap: bool = True) -> StepTimes:
+def period(schedule: Schedule, costs: Costs | None = None, steps: int = 5, overlap: bool = True,
+           defer_w: bool = False) -> StepTimes:
     """:func:`simulate_steps` with ``steps >= 2``: its ``period`` is the steady-state step length."""
     if steps < 2:
         raise ValueError(f"a period needs steps >= 2, got {steps}")
-    return simulate_steps(schedule, costs, steps, overlap)
+    return simulate_steps(schedule, costs, steps, overlap, defer_w)
