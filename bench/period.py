@@ -1,8 +1,8 @@
 """Steady-state period of consecutive training steps in simulation: for D in {2, 4, ..., 64} x N in {D, 2D, 4D}
 with F = I = W = 1, every candidate of ``chimera schedule best`` simulated over ``--steps`` consecutive steps with
 the overlapped step boundary (each stage updated as soon as its gradients are summed,
-:mod:`chimera.schedule.steps`), and, ranked by period, the split-backward candidates' steps ordered jointly with
-weight gradients deferred across step boundaries (``+W deferred``; simulator-only). Prints, per (D, N), the
+:mod:`chimera.schedule.steps`), and, ranked by period, the split-backward candidates' steps ordered jointly by the
+list scheduler, weight gradients free to cross step boundaries (``+joint steps``; simulator-only). Prints, per (D, N), the
 fastest candidate by one step's makespan (what ``auto`` picks) with its period, and the fastest by period with
 its peak activations (micro-batches per worker) and model shares, against the target period <= 3N + 1 (every
 worker computes 3N units a step, so 3N is the floor). The drained period (the runtime's today) is one step's

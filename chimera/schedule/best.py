@@ -23,8 +23,9 @@ budget with :func:`exclude`. The candidates are the registry's (:func:`chimera.s
 (:mod:`chimera.schedule.steps`: each stage updated as soon as its own gradients are summed) and gives its
 steady-state ``period``; ``by="period"`` ranks by it (default: by one step's makespan, as the planner and
 training's ``auto`` do), and adds, for each split-backward candidate that could beat the best period found, its
-steps ordered jointly with weight gradients deferred across step boundaries (:func:`chimera.schedule.steps.deferred`;
-label ``... +W deferred``): simulator-only, the runtime runs each step's list as it is.
+steps ordered jointly by the list scheduler, weight gradients free to cross step boundaries
+(:func:`chimera.schedule.steps.deferred`; label ``... +joint steps``): simulator-only, the runtime runs each step's
+list as it is.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Choice:
     shares of the model a worker holds, whether it fits (and if not, ``over``: by how much), the schedule, and
     (where asked for) the steady-state period of consecutive overlapped steps.
 
-    ``deferred``: the candidate's steps ordered jointly, W deferred across step boundaries (module docstring);
+    ``deferred``: the candidate's steps ordered jointly, W free to cross step boundaries (module docstring);
     then ``makespan`` is the first step's end (its deferred W included), ``bubble`` the steady state's
     (1 - busy / (workers * period)), ``peak`` that of the joint order, and ``schedule`` the one-step schedule."""
 
@@ -127,7 +128,7 @@ def _over(s: Schedule, chunks: int, peak: Num, shares: Num, memory_limit: Num | 
 
 def _deferred(ranked: Sequence[Choice], split_ones: Sequence[tuple[Choice, Costs, SimResult, int]], steps: int,
               limits: tuple[Num | None, Num, Num]) -> list[Choice]:
-    """The W-deferred variants (module docstring) of the split-backward candidates ``split_ones``, fastest period
+    """The jointly ordered variants (module docstring) of the split-backward candidates ``split_ones``, fastest period
     first, each only while it could beat the best period that fits so far: no order's period is under its
     busiest worker's compute per step."""
     fitting = [c.period for c in ranked if c.fits]
@@ -140,7 +141,7 @@ def _deferred(ranked: Sequence[Choice], split_ones: Sequence[tuple[Choice, Costs
         peak, _ = footprint(p.result.schedule, chunks)
         over = _over(c.schedule, chunks, peak, c.shares, *limits)
         bubble = 1 - Fraction(sum(Fraction(b) for b in r.busy)) / (len(r.busy) * Fraction(p.period))
-        out.append(dataclasses.replace(c, label=f"{c.label} +W deferred", makespan=p.makespan, bubble=_num(bubble),
+        out.append(dataclasses.replace(c, label=f"{c.label} +joint steps", makespan=p.makespan, bubble=_num(bubble),
                                        peak=peak, fits=not over, over=over, period=p.period, deferred=True))
         if not over and (top is None or p.period < top):
             top = p.period

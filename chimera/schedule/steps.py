@@ -75,12 +75,19 @@ def repeat(schedule: Schedule, steps: int) -> Schedule:
 
 def deferred(schedule: Schedule, steps: int, costs: Costs = EQUAL) -> Schedule:
     """``steps`` consecutive steps of the compute-only, split-backward ``schedule`` ordered jointly by the
-    zero-bubble list scheduler (:func:`chimera.schedule.fill.list_schedule` with ``step_size``): each worker keeps
-    the order of ``schedule``'s forwards and input-gradient backwards (as preferences: a later one may go first
-    when it can run and the earlier cannot), with the overlapped step boundary as dependencies (a stage's
-    next-step compute waits for its W on every replica), and runs W wherever it would otherwise wait, so step
-    j's W of one stage may run after step j+1's first forwards of another: Zero Bubble's steady state.
-    Micro-batches are numbered as :func:`repeat` does; simulate it with :func:`simulate_steps` (``defer_w``)."""
+    zero-bubble list scheduler (:func:`chimera.schedule.fill.list_schedule` with ``step_size``): each worker takes
+    ``schedule``'s forwards and input-gradient backwards as its preferred order (per stage group: a later one may
+    go first when it can run and the earlier cannot; no memory limit), the overlapped step boundary as dependencies
+    (a stage's next-step compute waits for its W on every replica, nothing else), and runs its oldest pending W
+    wherever it would otherwise wait. So step j's W of one stage may run after step j+1's first forwards of another
+    (Zero Bubble's post-validated steady state). Micro-batches are numbered as :func:`repeat` does; simulate it with
+    :func:`simulate_steps` (``defer_w``). Simulator-only: the runtime runs one step's list at a time.
+
+    Found at F = I = W, N = D (D = 8, 16; bench/RESULTS.md): no W actually crosses a boundary in the registry's
+    candidates (each stage's W are the oldest pending when its next-step forward could start), so the joint order
+    is one step's order repeated; what gains is that order itself: Chimera with backward halving, relisted so,
+    repeats at 3N (its own list: 3N + D/4 - 1/2), holding D micro-batches of activations instead of D/2.
+    """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     kinds = {a.kind for row in schedule.actions for a in row}
