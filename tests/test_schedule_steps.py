@@ -11,7 +11,7 @@ from chimera.schedule.best import per_stage, rank
 from chimera.schedule.registry import candidates
 from chimera.schedule.simulate import Simulator
 from chimera.schedule.ir import Kind
-from chimera.schedule.steps import deferred, period, repeat, simulate_steps, step_sizes
+from chimera.schedule.steps import boundaries, deferred, period, repeat, simulate_steps, step_sizes
 
 #: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
 pytestmark = pytest.mark.timeout(120)
@@ -172,6 +172,20 @@ def test_joint_order_keeps_the_boundary():
     assert len(first) == 4 * s.stages
     assert all(first[(st, j)] >= w_end[(st, j - 1)] for st, j in first if j)
     assert any(first[(st, j)] < max(w_end[(u, j - 1)] for u in range(s.stages)) for st, j in first if j)
+
+
+def test_joint_order_by_hand():
+    """LOPSIDED's two steps ordered jointly (F = I = W = 1): each worker runs its oldest W where it would wait; the
+    boundary's edges: each (worker, pipe, stage)'s first compute of step 2 waits for the last step-1 W of that
+    stage on both workers (stage 0: w0's d0W1, w1's u0W0; stage 1: w0's u1W0, w1's d1W1). Every step takes 9."""
+    s = Schedule.from_text(LOPSIDED)
+    t = simulate_steps(s, EQUAL, 2, defer_w=True)
+    assert t.result.schedule.text().splitlines()[1:] == [
+        "0: d0F0 d0F1 u1F0 d0I0 u1I0 d0I1 d0W0 u1W0 d0W1 d0F2 d0F3 u1F1 d0I2 u1I1 d0I3 d0W2 u1W1 d0W3",
+        "1: u0F0 d1F0 d1I0 d1F1 d1I1 u0I0 d1W0 d1W1 u0W0 u0F1 d1F2 d1I2 d1F3 d1I3 u0I1 d1W2 d1W3 u0W1"]
+    assert t.ends == [9, 18] and t.period == 9
+    gates = boundaries(s, 2, True, t.result.schedule)
+    assert {k: set(v) for k, v in gates.items()} == {9: {8, 26}, 11: {7, 25}, 27: {8, 26}, 28: {7, 25}}
 
 
 def test_deferred_needs_split_backward_and_the_overlapped_boundary():

@@ -98,7 +98,7 @@ def deferred(schedule: Schedule, steps: int, costs: Costs = EQUAL) -> Schedule:
     rows = list_schedule(schedule.stages, schedule.placement, repeat(main, steps).actions, costs=costs, fifo=False,
                          step_size=step_sizes(schedule))
     return _replace(schedule, actions=rows, microbatches=schedule.microbatches * steps,
-                    name=f"{schedule.name} x{steps} W deferred")
+                    name=f"{schedule.name} x{steps} joint")
 
 
 def _steps_of(many: Schedule, one: Schedule, steps: int, by_microbatch: bool) -> list[list[int]]:
