@@ -8,9 +8,9 @@ import pytest
 from chimera.cli import main
 from chimera.schedule import Costs, Schedule, ScheduleError, build_schedule, lower, simulate
 from chimera.schedule.best import per_stage, rank
+from chimera.schedule.ir import Kind
 from chimera.schedule.registry import candidates
 from chimera.schedule.simulate import Simulator
-from chimera.schedule.ir import Kind
 from chimera.schedule.steps import boundaries, deferred, period, repeat, simulate_steps, step_sizes
 
 #: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
