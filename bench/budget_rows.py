@@ -38,7 +38,7 @@ import ray  # noqa: E402
 
 from bench.chimera_runner import ChimeraRow  # noqa: E402
 from bench.torchpp_runner import TORCH_SCHEDULES, TorchPPGroup  # noqa: E402
-from bench.vs_torch_pipelining import PAIR, alternate  # noqa: E402
+from bench.vs_torch_pipelining import RUN, alternate, steps_per_rep  # noqa: E402
 from bench.workloads import WORKLOADS, Workload  # noqa: E402
 from chimera.schedule import Costs, build_schedule, from_csv  # noqa: E402
 from chimera.schedule.best import Choice, best, footprint  # noqa: E402
@@ -87,7 +87,7 @@ def run(w: Workload, units: float, reps: int, warmup: int, log: Any) -> list[dic
         chimera: dict[str, ChimeraRow] = {}
         for c in picks.values():
             if c.label not in chimera:
-                row = ChimeraRow(w, c.name, PAIR * (warmup + reps), c.options)
+                row = ChimeraRow(w, c.name, steps_per_rep(RUN) * (warmup + reps), c.options)
                 chimera[c.label] = stack.enter_context(row)
         auto_rows = [{"system": "chimera", "schedule": c.label, "key": c.label, "times": [],
                       "need": float(c.peak + units * c.shares)} for c in {c.label: c for c in picks.values()}.values()]

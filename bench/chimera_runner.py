@@ -1,13 +1,14 @@
 """The chimera side of ``bench/vs_torch_pipelining.py``: one ``RayJob`` per schedule, kept alive per workload.
 
-Step time: steps run back to back with the next one queued on the actors (``RayJob.steps``, as in
-``ray_launch.driver.run``); the driver-observed time between the results of the last two steps is the last
-step's, from all workers done with the previous step to all workers done with this one — as on the torch.pp
-side (rank 0 between barriers).
+Step time: one step, then the timed steps run back to back in one call on each actor (queued while the first
+runs); the driver-observed time between the first step's results and the last's, over the timed steps, is their
+mean: from all workers done with the first step to all workers done with the last — as on the torch.pp side
+(rank 0 between the barriers after the first step and after the last).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -60,14 +61,18 @@ class ChimeraRow:
         return [int(i["pid"]) for i in self.job.infos]
 
     def steps(self, steps: list[int]) -> float:
-        """Run ``steps`` back to back (the next one queued while one runs, as ``ray_launch.driver.run`` does);
-        return the driver-observed time between the results of the last two (worker-side max in ``worker_times``)."""
-        done, last = [], {}
-        for rec in self.job.steps(steps, ahead=1):
-            done.append(time.perf_counter())
-            last = rec
-        self.worker_times.append(float(last["step_time_s"]))
-        return done[-1] - done[-2]
+        """Run ``steps[0]``, then ``steps[1:]`` back to back in one call per actor (queued while the first runs); return
+        the driver-observed mean time per step of ``steps[1:]`` (the workers' own step times in ``worker_times``)."""
+        if len(steps) < 2:
+            raise ValueError(f"need one step and at least one timed step, got {steps}")
+        first, rest = self.job.submit(steps[0]), self.job.submit(steps[1:])
+        self.job.collect(steps[0], first)
+        t0 = time.perf_counter()
+        recs = self.job.collect(steps[1:], rest)
+        dt = time.perf_counter() - t0
+        assert isinstance(recs, list)
+        self.worker_times.append(statistics.mean(float(r["step_time_s"]) for r in recs))
+        return dt / len(recs)
 
 
 def peak_rss_mib(pids: list[int]) -> float | None:

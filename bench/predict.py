@@ -1,6 +1,8 @@
 """Simulator predictions for the rows of ``bench/vs_torch_pipelining.py``.
 
-Delay model: ``simulate(schedule, delay_costs(tf, D)).makespan``: F = tf, input gradient tf, weight gradient tf
+Delay model: the period of ``run`` consecutive steps after a first one (``chimera.schedule.steps.period``: the
+mean step after the first, every worker starting its next step as soon as its list allows; the benchmark's jobs
+do not clip, so no global norm holds the steps apart) with ``delay_costs(tf, D)``: F = tf, input gradient tf, weight gradient tf
 (a whole backward 2·tf), except that the first stage's input gradient is nothing and its weight gradient both
 (its inputs need no gradient); tf/2 per stage for a schedule over the 2·D-stage split. Chimera rows simulate
 the schedule the job runs (``auto``: the one it chose); torch.pp's GPipe and 1F1B rows chimera's generator of the
@@ -28,6 +30,7 @@ from dataclasses import dataclass, replace
 
 from bench.workloads import Workload
 from chimera.schedule import Costs, Schedule, build_schedule, simulate
+from chimera.schedule.steps import period
 
 
 def delay_costs(tf: float, stages: int) -> Costs:
@@ -68,9 +71,10 @@ class Calibration:
 
 
 def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | None = None,
-                     calibration: Calibration | None = None) -> float | None:
-    """The simulator's makespan for the row (``sched``: the schedule the row runs; without it, chimera's generator
-    of ``schedule``), or None. With ``calibration`` (chimera rows): the lowered ``sched`` with the runtime's costs."""
+                     calibration: Calibration | None = None, run: int = 1) -> float | None:
+    """The simulator's figure for the row (``sched``: the schedule the row runs; without it, chimera's generator of
+    ``schedule``), or None: one step's makespan (``run`` 1), else the period of ``run`` steps after a first one. With
+    ``calibration`` (chimera rows): the lowered ``sched`` with the runtime's costs."""
     if not w.is_delay or (sched is None and system == "torch.pp" and schedule not in ("gpipe", "1f1b")):
         return None
     assert w.tf is not None
@@ -78,5 +82,9 @@ def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | 
         sched = build_schedule(schedule, w.stages, w.micro_batches)
     tf = w.tf * w.stages / sched.stages  # a schedule of 2·D stages runs D ranks' work in halves
     if calibration is not None and sched.lowered:
-        return float(simulate(sched, calibration.costs(tf, sched.stages)).makespan)
-    return float(simulate(sched.compute_only(), delay_costs(tf, sched.stages)).makespan)
+        sched, costs = sched, calibration.costs(tf, sched.stages)
+    else:
+        sched, costs = sched.compute_only(), delay_costs(tf, sched.stages)
+    if run == 1:
+        return float(simulate(sched, costs).makespan)
+    return float(period(sched, costs, steps=run + 1, overlap=True).period)

@@ -8,9 +8,11 @@ frozen after set-up, Python's collector after every step, inside its timed windo
 One process group hosts every torch schedule of a workload (each with its own stage modules and optimizer)
 and runs steps on command, so repetitions alternate between systems without restarting processes.
 
-Step time (rank 0): ``barrier; [schedule.step(...); tied-weight sum; optimizer.step(); barrier]`` per step,
-steps back to back; the time between the last two barriers is the last step's, from all ranks done with the
-previous step to all ranks done with this one. The batches are made before the first barrier.
+Step time (rank 0): ``barrier; step; barrier; step x k; barrier``, a step being ``schedule.step(...); tied-weight
+sum; optimizer.step()`` and the collector; the time between the last two barriers over ``k`` is the mean of the
+``k`` consecutive steps, from all ranks done with the first step to all ranks done with the last (no barrier
+between them: a rank starts its next step as soon as it is done with one). The batches are made before the first
+barrier.
 """
 
 from __future__ import annotations
@@ -188,14 +190,15 @@ def _worker(w: Workload, names: list[str], rank: int, init: str, cmds: Any, out:
             name, steps = cmd
             batches = {k: batches[k] if k in batches else w.batch(k) for k in steps}
             dist.barrier()
+            runners[name].step(*batches[steps[0]])
+            collector.after_step()
+            dist.barrier()
             t0 = time.perf_counter()
-            for k in steps:
+            for k in steps[1:]:
                 runners[name].step(*batches[k])
                 collector.after_step()
-                dist.barrier()
-                t1 = time.perf_counter()
-                dt, t0 = t1 - t0, t1
-            out.put(("step", rank, dt))
+            dist.barrier()
+            out.put(("step", rank, (time.perf_counter() - t0) / max(1, len(steps) - 1)))
         out.put(("done", rank, None))
     except BaseException as e:  # report, then exit
         out.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"))
@@ -264,7 +267,10 @@ class TorchPPGroup:
         return got
 
     def steps(self, name: str, steps: list[int]) -> float:
-        """Run ``steps`` of schedule ``name`` back to back; return rank 0's barrier-to-barrier time of the last."""
+        """Run ``steps`` of schedule ``name``: the first, then the rest back to back; return rank 0's mean time per step
+        of the rest (between the barriers after the first and after the last)."""
+        if len(steps) < 2:
+            raise ValueError(f"need one step and at least one timed step, got {steps}")
         for q in self.cmds:
             q.put((name, list(steps)))
         return float(self._collect("step")[0])

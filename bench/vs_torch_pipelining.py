@@ -10,12 +10,15 @@ labelled with the schedule it chose) on one local Ray. Both sides use chimera's 
 order rotated by one per repetition so drift hits all rows alike; the first ``--warmup`` repetitions are
 discarded.
 
-Step time, the same definition for both systems: the second step of the pair in steady state, from all
-workers done with the first step to all workers done with the second, including the optimizer step
-(torch.pp: rank 0 between the barriers that end the two steps; chimera: the Ray driver between the two
-results, with the second step queued on the actors while the first runs, as ``ray_launch.driver.run``
-trains). Predictions: chimera's simulator on the same schedule (``bench/predict.py``). Ratios: to torch.pp's
-1F1B and to the fastest torch.pp row of the workload.
+Step time, the same definition for both systems: each repetition runs one step and then ``--run-steps`` (5)
+consecutive steps; a row's step time is the mean of those, from all workers done with the first step to all
+workers done with the last, optimizer steps included, and nothing between the steps (torch.pp: rank 0 between
+the barriers that end the first step and the last, no barrier between the steps; chimera: the Ray driver
+between the first step's results and the last's, the consecutive steps run back to back in one call on each
+actor, ``RayJob.steps(..., per_call=)``). A worker that finishes a step starts the next at once on both sides,
+so a schedule whose workers idle at the start and the end of a step may overlap consecutive steps. Predictions:
+the simulator's period of consecutive steps (``chimera.schedule.steps``) on the same schedule
+(``bench/predict.py``). Ratios: to torch.pp's 1F1B and to the fastest torch.pp row of the workload.
 
 Usage: python bench/vs_torch_pipelining.py [--reps 5] [--quick] [--workloads delay-d4-n4,...] [--json PATH]
 """
@@ -48,7 +51,12 @@ from chimera.schedule.registry import SCHEDULES  # noqa: E402
 from chimera.schedule.registry import get as schedule_spec  # noqa: E402
 
 CHIMERA_SCHEDULES = ["chimera", "1f1b", "gpipe", "auto"]
-PAIR = 2  # steps per row and repetition, back to back; the second one is timed (steady state)
+RUN = 5  # consecutive steps timed per row and repetition (after one untimed step): --run-steps
+
+
+def steps_per_rep(run: int) -> int:
+    """Steps one repetition of a row runs: one untimed, then ``run`` timed back to back."""
+    return 1 + run
 
 
 def rows_of(w: Workload, only: set[str] | None = None) -> list[dict[str, Any]]:
@@ -78,7 +86,7 @@ def rows_of(w: Workload, only: set[str] | None = None) -> list[dict[str, Any]]:
 
 
 def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] | None = None,
-                 calibration: Calibration | None = None) -> list[dict[str, Any]]:
+                 calibration: Calibration | None = None, run: int = RUN) -> list[dict[str, Any]]:
     """Start both systems for ``w``, alternate steps over the rows, return the rows with their times."""
     rows = rows_of(w, only)
     live = [r for r in rows if not r["note"]]
@@ -86,7 +94,7 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(4) as pool:
         # start the chimera jobs in threads, so all actors import torch while the torch.pp group starts
-        chimera_rows = {r["schedule"]: ChimeraRow(w, r["schedule"], PAIR * (warmup + reps)) for r in live
+        chimera_rows = {r["schedule"]: ChimeraRow(w, r["schedule"], steps_per_rep(run) * (warmup + reps)) for r in live
                         if r["system"] == "chimera"}
         for c in chimera_rows.values():
             stack.callback(c.__exit__, None, None, None)
@@ -98,18 +106,18 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
             order = group.orders.get(r["schedule"]) if r["system"] == "torch.pp" else None
             if order is not None:  # what torch runs, simulated like every other row
                 sched = from_csv(order, name=r["schedule"], microbatches=w.micro_batches)
-                r["predicted_step_s"] = predicted_step_s(w, "torch.pp", r["schedule"], sched)
+                r["predicted_step_s"] = predicted_step_s(w, "torch.pp", r["schedule"], sched, run=run)
         runners: dict[tuple[str, str], Any] = {("torch.pp", n): group for n in torch_names}
         runners.update({("chimera", n): c for n, c in chimera_rows.items()})
         log(f"  {w.name}: started {len(live)} rows in {time.perf_counter() - t_start:.1f} s")
-        alternate(live, runners, reps, warmup)
+        alternate(live, runners, reps, warmup, run=run)
         for r in live:
             runner = runners[(r["system"], r["schedule"])]
             r["peak_rss_mib"] = peak_rss_mib(runner.pids)
             if r["system"] == "chimera":
                 r["worker_step_s"] = statistics.median(runner.worker_times[warmup:])
                 r["predicted_step_s"] = predicted_step_s(w, "chimera", r["schedule"], runner.job.job.schedule,
-                                                         calibration)
+                                                         calibration, run=run)
                 if r["schedule"] == "auto":  # labelled with what it chose
                     r["schedule"] = f"auto: {runner.label}"
                     chosen = runner.job.job.schedule
@@ -119,15 +127,16 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
 
 
 def alternate(live: list[dict[str, Any]], runners: dict[tuple[str, str], Any], reps: int, warmup: int,
-              key: str = "schedule") -> None:
-    """``warmup + reps`` repetitions of PAIR back-to-back steps of every row (``runners[(system, row[key])]``), the
-    rows in an order rotated by one per repetition; the timed step of each measured repetition joins its row's
-    ``times``."""
+              key: str = "schedule", run: int = RUN) -> None:
+    """``warmup + reps`` repetitions of one step and ``run`` consecutive timed steps of every row
+    (``runners[(system, row[key])]``), the rows in an order rotated by one per repetition; the timed steps' mean of
+    each measured repetition joins its row's ``times``."""
     for k in range(warmup + reps):
         order = live[k % len(live):] + live[:k % len(live)]
         for r in order:
             runner = runners[(r["system"], r[key])]
-            steps = [PAIR * k + i for i in range(PAIR)]
+            n = steps_per_rep(run)
+            steps = [n * k + i for i in range(n)]
             dt = runner.steps(r["schedule"], steps) if r["system"] == "torch.pp" else runner.steps(steps)
             if k >= warmup:
                 r["times"].append(dt)
@@ -154,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="measured repetitions per row")
     ap.add_argument("--warmup", type=int, default=2, help="discarded repetitions per row")
     ap.add_argument("--quick", action="store_true", help="one measured repetition (and one warm-up) per row")
+    ap.add_argument("--run-steps", type=int, default=RUN,
+                    help="consecutive steps timed per repetition, after one untimed step (their mean is the step time)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {', '.join(WORKLOADS)}")
     ap.add_argument("--schedules", default=None,
                     help="only these schedules, comma-separated (both systems; torch.pp 1f1b always runs: the reference; "
@@ -165,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")),
                     help="markdown file to update with the table ('-': do not write)")
     args = ap.parse_args(argv)
+    if args.run_steps < 1:
+        ap.error(f"--run-steps must be >= 1, got {args.run_steps}")
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
@@ -197,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         for w in workloads:
-            rows = run_workload(w, reps, warmup, log, only, calibration)
+            rows = run_workload(w, reps, warmup, log, only, calibration, args.run_steps)
             finish(rows, w)
             all_rows.extend(rows)
     finally:

@@ -52,6 +52,11 @@ class WorkerActor:
         assert self.worker is not None, "setup() first"
         return self.worker.train_step(step)
 
+    def run_steps(self, steps: list[int]) -> list[StepResult]:
+        """Run ``steps`` back to back in one call (no Ray task between them); their results in order."""
+        assert self.worker is not None, "setup() first"
+        return [self.worker.train_step(s) for s in steps]
+
     def checkpoint(self, step: int) -> str:
         """Write a checkpoint of the state after ``step`` now (every rank at once); its directory."""
         assert self.worker is not None, "setup() first"

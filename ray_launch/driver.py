@@ -51,6 +51,18 @@ class Stalled(RunError):
     """A worker's blocking wait ran past ``--timeout``."""
 
 
+def _chunks(steps: Iterable[int], size: int) -> Iterator[list[int]]:
+    """``steps`` in consecutive lists of ``size`` (the last may be shorter)."""
+    chunk: list[int] = []
+    for s in steps:
+        chunk.append(s)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
 def _bundle(job: Job) -> dict[str, float]:
     return {"CPU": 1.0, "GPU": 1.0} if job.run.device == "cuda" else {"CPU": 1.0}
 
@@ -226,28 +238,37 @@ class RayJob:
             self.started_ray = False
 
     # -- training ----------------------------------------------------------------------------------
-    def submit(self, step: int) -> list[Any]:
-        """Queue ``step`` on every worker without waiting; returns the result references for :meth:`collect`."""
-        return [a.step.remote(step) for a in self.actors]
+    def submit(self, step: int | Sequence[int]) -> list[Any]:
+        """Queue ``step`` (or several steps, run back to back in one call per worker) on every worker without
+        waiting; returns the result references for :meth:`collect`."""
+        if isinstance(step, int):
+            return [a.step.remote(step) for a in self.actors]
+        chunk = list(step)
+        return [a.run_steps.remote(chunk) for a in self.actors]
 
-    def collect(self, step: int, refs: list[Any]) -> dict[str, Any]:
-        """Wait for the results of a submitted ``step``; return the metrics record. A failure where a worker no
-        longer answers and Ray declares its node dead is a :class:`WorkerLost` (a lost node)."""
+    def collect(self, step: int | Sequence[int], refs: list[Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """Wait for the results of a submitted ``step`` (or steps); return the metrics record (a list of them, in
+        step order). A failure where a worker no longer answers and Ray declares its node dead is a
+        :class:`WorkerLost` (a lost node)."""
+        chunk = [step] if isinstance(step, int) else list(step)
+        what = f"step {chunk[0]}" if len(chunk) == 1 else f"steps {chunk[0]}-{chunk[-1]}"
         try:
-            results = _gather(refs, f"step {step}", self.job.run.timeout_s * 5 + 60)
+            results = _gather(refs, what, (self.job.run.timeout_s * 5 + 60) * len(chunk))
         except WorkerLost:
             raise
         except RunError as e:
             lost = self.lost_workers()
             if lost:
-                raise WorkerLost(f"{lost} (in step {step}: {str(e).splitlines()[0]})") from None
+                raise WorkerLost(f"{lost} (in {what}: {str(e).splitlines()[0]})") from None
             if isinstance(e, Stalled):
                 raise Stalled(f"{e}\n{self.hang_report()}") from None
             raise
+        per_step = [results] if isinstance(step, int) else [list(rs) for rs in zip(*results)]
         try:
-            return summarize_step(self.job, results) | {"_results": results}
+            records = [summarize_step(self.job, rs) | {"_results": rs} for rs in per_step]
         except WorkerError as e:
             raise RunError(str(e)) from None
+        return records[0] if isinstance(step, int) else records
 
     def lost_workers(self, answer_s: float = 5.0) -> str | None:
         """After a failed step: which workers are lost, or None. A worker is lost when it does not answer a call of
@@ -303,32 +324,40 @@ class RayJob:
         """Run one step on every worker; return the metrics record."""
         return self.collect(step, self.submit(step))
 
-    def steps(self, steps: Iterable[int], ahead: int = 1, stop: Callable[[], bool] | None = None
+    def steps(self, steps: Iterable[int], ahead: int = 1, stop: Callable[[], bool] | None = None, per_call: int = 1
               ) -> Iterator[dict[str, Any]]:
-        """Run ``steps`` in order, keeping ``ahead`` further steps queued on the actors; yield each record.
+        """Run ``steps`` in order, keeping ``ahead`` further calls queued on the actors; yield each step's record.
 
         A worker that finishes a step starts the next one at once instead of waiting for the driver's
-        round trip (a few ms of Ray RPC per step, paid on the critical path). Records come in step order;
-        the first failure is raised before any later step is collected, and the queued steps die with the
-        actors when the job closes. Once ``stop()`` is true no step is queued any more: the steps queued already
-        finish and are yielded.
+        round trip (a few ms of Ray RPC per step, paid on the critical path). ``per_call`` steps run back to
+        back in one actor call (one Ray task per ``per_call`` steps: less of Ray's per-task work on the workers'
+        cores; their records come when the last of them is done). Records come in step order; the first failure
+        is raised before any later step is collected, and the queued steps die with the actors when the job
+        closes. Once ``stop()`` is true no call is queued any more: the calls queued already finish and are
+        yielded.
 
             with RayJob(job) as ray_job:
                 for rec in ray_job.steps(range(job.run.steps)):
                     print(rec["loss"])
         """
-        if ahead < 0:
-            raise ValueError(f"ahead must be >= 0, got {ahead}")
-        queued: deque[tuple[int, list[Any]]] = deque()
+        if ahead < 0 or per_call < 1:
+            raise ValueError(f"need ahead >= 0 and per_call >= 1, got ahead={ahead}, per_call={per_call}")
+        queued: deque[tuple[int | list[int], list[Any]]] = deque()
+
+        def collect(step: int | list[int], refs: list[Any]) -> list[dict[str, Any]]:
+            got = self.collect(step, refs)
+            return got if isinstance(got, list) else [got]
+
         try:
-            for step in steps:
+            for chunk in _chunks(steps, per_call):
                 if stop is not None and stop():
                     break
-                queued.append((step, self.submit(step)))
+                key: int | list[int] = chunk[0] if per_call == 1 else chunk
+                queued.append((key, self.submit(key)))
                 if len(queued) > ahead:
-                    yield self.collect(*queued.popleft())
+                    yield from collect(*queued.popleft())
             while queued:
-                yield self.collect(*queued.popleft())
+                yield from collect(*queued.popleft())
         except Exception:
             # the steps queued behind a failed one fail too: read their errors, or Ray logs each as unhandled
             refs = [ref for _, step_refs in queued for ref in step_refs]

@@ -29,10 +29,11 @@ def _wait_no_actors(ray, timeout=20.0):
 
 
 def test_chimera_on_ray_equals_sequential(ray_session, tmp_path):
-    cfg = BASE.with_flags(schedule="chimera", stages=4, micro_batches=4, model="gpt2-tiny")
+    cfg = BASE.with_flags(schedule="chimera", stages=4, micro_batches=4, model="gpt2-tiny", steps=4)
     job = compile_job(cfg)
     with RayJob(job) as ray_job:
-        records = list(ray_job.steps(range(cfg.training.steps), ahead=2))  # queued on the actors ahead of the driver
+        # three steps in one call per actor, the next call queued on the actors ahead of the driver
+        records = list(ray_job.steps(range(cfg.training.steps), ahead=1, per_call=3))
         states = ray_job.states()
         nodes = {i["node_id"] for i in ray_job.infos}
     ref = train_sequential(job)

@@ -77,6 +77,7 @@ class Communicator:
         self.backend = dist.get_backend()
         # gloo posts each op independently; NCCL orders a communicator's ops on one stream
         self.prefetch_recvs = self.backend == "gloo"
+        self._group_peer: dict[tuple[int, int], int] = {}  # (group, global rank) -> the rank within the group
         world = dist.get_world_size()
         self.pipe_groups = {pipe: self._named(dist.new_group(list(range(world))), f"pipe {pipe}")
                             for pipe in schedule.pipes}
@@ -154,6 +155,8 @@ class Communicator:
             self._count(op.tensor, op.group)
             if op.is_send:
                 self._sizes[op.tensor.numel() * op.tensor.element_size()] += 1
+        if self.backend == "gloo":  # gloo posts every op on its own: straight to the group, no per-op checks
+            return [self._post_one(op) for op in ops]
         works: list[dist.Work] = [None] * len(ops)  # type: ignore[list-item]
         by_group: dict[int, list[int]] = {}
         for i, op in enumerate(ops):
@@ -168,6 +171,16 @@ class Communicator:
             for i, w in zip(idx, dist.batch_isend_irecv(p2p)):
                 works[i] = w
         return works
+
+    def _post_one(self, op: Op) -> dist.Work:
+        """``op`` posted on its group's ``send``/``recv`` (what ``dist.isend``/``irecv`` end in, tag 0), the peer's
+        rank in the group resolved once."""
+        group = op.group if op.group is not None else dist.group.WORLD
+        key = (id(group), op.peer)
+        peer = self._group_peer.get(key)
+        if peer is None:
+            peer = self._group_peer[key] = dist.get_group_rank(group, op.peer)
+        return (group.send if op.is_send else group.recv)([op.tensor], peer, 0)
 
     def allreduce_async(self, t: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, dist.Work]:
         """Start a SUM allreduce of ``t`` (one byte in single-byte mode); returns (result tensor, work)."""
