@@ -47,6 +47,8 @@ CASES = {
                                    model_overrides={"num_hidden_layers": 6}),
     "chimera4-D4N4-gpt2-W2": dict(schedule="chimera4", stages=4, micro_batches=4, model="gpt2-tiny", data_parallel=2),
     "chimera4-D4N8-recompute": dict(schedule="chimera4", stages=4, micro_batches=8, recompute=True, **SGD),
+    "chimera-relisted-D4N4-gpt2": dict(schedule="chimera-relisted", stages=4, micro_batches=4, model="gpt2-tiny",
+                                       **SGD_NORM),
 }
 
 

@@ -232,3 +232,20 @@ def test_bad_steps_and_a_deadlocked_boundary():
     assert repeat(s, 2).text().splitlines()[1] == "0: 0F0 0F1 0B0 0B1 0F2 0F3 0B2 0B3"
     with pytest.raises(ScheduleError, match=r"d0F0 waits for d1B1 \(worker 1, action 3\) to run first"):
         Simulator(s, {0: (7,)}).run(EQUAL)  # worker 0's first action after worker 1's last, which needs it
+
+
+def test_chimera_relisted_repeats_at_3n_and_is_built_only_when_named():
+    """The registered relisted Chimera (what the joint order found) runs its steps every 3N units at N = D, where
+    Chimera's own halving order needs 3N + D/4 - 1/2, with Chimera's two shares; auto and the planner skip it."""
+    from chimera.schedule.registry import get
+
+    own = build_schedule("chimera", 8, 8, mode="halving", split_backward=True, order_costs=EQUAL)
+    relisted = build_schedule("chimera-relisted", 8, 8, order_costs=EQUAL)
+    assert relisted.placement == own.placement and relisted.microbatch_scale == own.microbatch_scale
+    assert sorted(map(str, (a for row in relisted.actions for a in row))) == sorted(
+        map(str, (a for row in own.actions for a in row)))  # the same actions, another order
+    assert simulate_steps(own, EQUAL, 5, True).period == Fraction(51, 2)
+    t = simulate_steps(relisted, EQUAL, 5, True)
+    assert t.period == 24 and t.last == 24
+    assert get("chimera-relisted").shares == 2
+    assert all(label.split()[0] != "chimera-relisted" for label, _, _ in candidates(8, 8, auto_only=False))

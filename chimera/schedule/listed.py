@@ -10,8 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from chimera.schedule.fill import EQUAL, list_schedule, zero_bubble
-from chimera.schedule.generators import _check_common, _unordered, one_f_one_b
-from chimera.schedule.ir import DOWN, DOWN2, UP, UP2, Action, F, Kind, Schedule, ScheduleConfigError
+from chimera.schedule.generators import (
+    _check_common,
+    _chimera_frame,
+    _unordered,
+    chimera,
+    chimera_accepts,
+    one_f_one_b,
+)
+from chimera.schedule.ir import DOWN, DOWN2, UP, UP2, Action, F, Kind, Schedule, ScheduleConfigError, _replace
 from chimera.schedule.registry import ScheduleSpec, register
 from chimera.schedule.simulate import Costs
 
@@ -168,6 +175,26 @@ def chimera4(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Sche
     return _list_ordered("chimera4", microbatches, _chimera4_placement(d), order_costs, (d, 2 * d, 4 * d, None))
 
 
+def chimera_relisted(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedule:
+    """Chimera (two pipes, 2/D of the model per worker) with backward halving's units and split backward, its
+    forwards and input-gradient backwards in the order the list scheduler finds free of Chimera's own sequence and
+    activation cap (each worker takes the next forward or backward of any of its stages that can run, an input
+    gradient first, and its oldest W wherever it would wait).
+
+    One step is no shorter than Chimera's own split order, but consecutive steps overlap better: where a worker's
+    step may start as soon as its stages' gradients are summed (no global norm between steps: no clipping), at
+    F = I = W and N = D its steps repeat every 3N units, the least its work allows (Chimera's own halving order:
+    3N + D/4 - 1/2; relisted from whole micro-batches it gains nothing at N = D). Its price: up to N micro-batches
+    of activations per worker where Chimera's own order holds D/2 (bench/RESULTS.md, the period table). Built only
+    when named (``auto`` and the planner rank one step's makespan); ``schedule best --rank-by period`` reports it as
+    ``chimera --mode halving --split-backward +joint steps``.
+    """
+    base = chimera(stages, microbatches, "halving", split_backward=True, order_costs=order_costs)
+    main = [[a for a in row if a.kind is not Kind.W] for row in base.actions]
+    rows = list_schedule(base.stages, base.placement, main, costs=order_costs, fifo=False)
+    return _replace(base, actions=rows, name="chimera-relisted")
+
+
 def _chimera4_placement(d: int) -> dict[tuple[str, int], int]:
     h = d // 2
     placement: dict[tuple[str, int], int] = {}
@@ -214,6 +241,11 @@ register(ScheduleSpec("zb-v", zb_v, "ZB-V: one V of 2D half stages, split backwa
 register(ScheduleSpec("bitpipe", bitpipe, "BitPipe-style: two V-shaped pipelines of 2D half stages",
                       accepts=_even_microbatches, backward=(True,), chunks=2, shares=2,
                       takes=("order_costs",), frame=_list_frame("bitpipe", _bitpipe_placement, _even_microbatches)))
+register(ScheduleSpec("chimera-relisted", chimera_relisted,
+                      "Chimera, split backward, in the list scheduler's free order (shortest period of steps)",
+                      accepts=lambda d, n, o: chimera_accepts(d, n, {"mode": "halving"}), backward=(True,), shares=2,
+                      auto=False, searched=False, takes=("order_costs",),
+                      frame=lambda d, n, order_costs=EQUAL: _chimera_frame(d, n, "halving")))
 register(ScheduleSpec("chimera4", chimera4, "Chimera with four pipelines (4/D of the model per worker)",
                       accepts=_four_pipes, backward=(True,), shares=4, takes=("order_costs",),
                       frame=_list_frame("chimera4", _chimera4_placement, _four_pipes)))

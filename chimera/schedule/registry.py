@@ -46,7 +46,8 @@ class ScheduleSpec:
         modes: Chimera's N > D modes it takes (``mode`` option); empty: none.
         chunks: stages per worker and pipe: None (one), ``"option"`` (``--chunks``, default 2) or a fixed number.
         shares: the shares of the model (1/D each) a worker holds: weights, gradients and optimizer state.
-        auto: ``--schedule auto`` considers it (the planner considers every schedule).
+        auto: ``--schedule auto`` considers it (the planner considers every searched schedule).
+        searched: ``auto`` and the planner may consider it; False: built only when named.
         takes: the builder's keyword options beyond (stages, microbatches).
         frame: the schedule without its order, for the planner's bound (:func:`frame_schedule`): called like
             ``build`` (with the same options), it returns a Schedule with the placement, micro-batch units and
@@ -64,6 +65,7 @@ class ScheduleSpec:
     chunks: int | str | None = None
     shares: int | Fraction = 1
     auto: bool = True
+    searched: bool = True
     takes: tuple[str, ...] = field(default=())
     frame: Callable[..., Schedule] | None = None
 
@@ -268,7 +270,7 @@ def candidates(stages: int, microbatches: int, halving: bool = True, auto_only: 
     out = []
     for split in (False, True):
         for spec in SCHEDULES.values():
-            if auto_only and not spec.auto:
+            if not spec.searched or (auto_only and not spec.auto):
                 continue
             out += [(spec.label(o), spec, o) for o in spec.variants(stages, microbatches, split, halving)]
     return out
