@@ -45,11 +45,12 @@ class Workload:
         return "sgd" if self.is_delay else "adamw"
 
     def overrides(self, parts: int) -> dict[str, Any]:
-        """Model overrides for a split into ``parts`` stages (the delay model gets one block per stage)."""
+        """Model overrides for a split into ``parts`` stages (the delay model gets one block per stage, its sleeps
+        for a micro-batch of ``micro_batch_size`` rows: half of one sleeps half)."""
         if not self.is_delay:
             return {}
         assert self.tf is not None
-        return {"num_blocks": parts, "fwd_s": self.tf * self.stages / parts}
+        return {"num_blocks": parts, "fwd_s": self.tf * self.stages / parts, "rows": self.micro_batch_size}
 
     def build(self, parts: int) -> LayerChain:
         """The layered model as split into ``parts`` stages."""

@@ -234,3 +234,17 @@ def test_partition_errors() -> None:
         partition(tiny, 2, [4])
     with pytest.raises(ValueError, match="unknown partition method"):
         partition(tiny, 2, "balanced")
+
+
+def test_delay_sleeps_scale_with_the_batch_rows(monkeypatch):
+    """With ``rows`` a delay block's forward, input-gradient and weight-gradient sleeps scale with its batch's rows
+    (half a micro-batch, as backward halving runs, sleeps half); without it every batch sleeps the full time."""
+    import chimera.models.delay as delay
+
+    slept: list[float] = []
+    monkeypatch.setattr(delay.time, "sleep", slept.append)
+    for rows, batch, want in ((4, 2, [0.05, 0.1, 0.15]), (4, 4, [0.1, 0.2, 0.3]), (None, 2, [0.1, 0.2, 0.3])):
+        block = delay._Block(16, 0.1, 0.2, 0.3, rows)
+        slept.clear()
+        block(torch.ones(batch, 16, requires_grad=True)).sum().backward()
+        assert sorted(slept) == pytest.approx(want), (rows, batch)

@@ -8,6 +8,9 @@ Sleeping instead of computing lets D workers share 2 cores without fighting over
 bubbles reflect the schedule and the runtime, not CPU contention. With ``num_blocks = D`` and the uniform
 partition every stage holds exactly one sleeping block (the embedding and head are tiny linear layers).
 
+With ``rows`` set (the micro-batch size), a block's sleeps scale with the rows of its batch, as compute does: half a
+micro-batch (Chimera's backward halving) sleeps half as long. Without it every call sleeps the full time.
+
 The weight-gradient sleep sits on the path to the block's weight only, so a full backward (B) sleeps tb + tw, while
 a split backward sleeps tb in its input-gradient part (I) and tw in its weight-gradient part (W): autograd runs the
 weight's branch only when the weight's gradient is asked for.
@@ -37,6 +40,7 @@ class DelayConfig:
     fwd_s: float = 0.05
     bwd_s: float | None = None  # input-gradient seconds per block (None: fwd_s)
     wgrad_s: float | None = None  # weight-gradient seconds per block (None: fwd_s)
+    rows: int | None = None  # the batch rows the seconds are for: r rows sleep r/rows of them (None: any batch the same)
 
 
 class _Sleep(torch.autograd.Function):
@@ -79,14 +83,15 @@ class _Embed(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, h: int, fwd_s: float, bwd_s: float, wgrad_s: float) -> None:
+    def __init__(self, h: int, fwd_s: float, bwd_s: float, wgrad_s: float, rows: int | None = None) -> None:
         super().__init__()
         self.proj = nn.Linear(h, h)
-        self.fwd_s, self.bwd_s, self.wgrad_s = fwd_s, bwd_s, wgrad_s
+        self.fwd_s, self.bwd_s, self.wgrad_s, self.rows = fwd_s, bwd_s, wgrad_s, rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = _SleepOnGrad.apply(self.proj.weight, self.wgrad_s)
-        return _Sleep.apply(nn.functional.linear(x, weight, self.proj.bias), self.fwd_s, self.bwd_s)
+        k = x.shape[0] / self.rows if self.rows else 1.0  # half a micro-batch (backward halving) sleeps half
+        weight = _SleepOnGrad.apply(self.proj.weight, self.wgrad_s * k)
+        return _Sleep.apply(nn.functional.linear(x, weight, self.proj.bias), self.fwd_s * k, self.bwd_s * k)
 
 
 def _mse(out: torch.Tensor, labels: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -102,7 +107,7 @@ def _layer(config: DelayConfig, index: int) -> nn.Module:
     else:
         tb = config.fwd_s if config.bwd_s is None else config.bwd_s
         tw = config.fwd_s if config.wgrad_s is None else config.wgrad_s
-        layer = _Block(h, config.fwd_s, tb, tw)  # the same as DelayModel.block_seconds
+        layer = _Block(h, config.fwd_s, tb, tw, config.rows)  # the same as DelayModel.block_seconds
     gen = own_generator()
     with torch.no_grad():
         for p in layer.parameters():
