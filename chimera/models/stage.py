@@ -54,8 +54,12 @@ class StageModule(nn.Module):
         return self.indices[-1] == self.num_layers - 1
 
     def _device(self) -> torch.device:
-        p = next(self.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
+        # the first parameter found once (a walk over the modules costs ~40 us an action); read on every call: an
+        # offloaded stage's weights change device, the parameter stays
+        first = self.__dict__.get("_first")
+        if first is None:
+            first = self.__dict__["_first"] = [next(self.parameters(), None)]
+        return first[0].device if first[0] is not None else torch.device("cpu")
 
     def forward(self, acts: Acts | None, inputs: Any = None, labels: Any = None, rng: int | None = None
                 ) -> Acts | torch.Tensor:
