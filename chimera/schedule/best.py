@@ -96,7 +96,7 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
     (``--shard-optimizer``; :func:`owned_shares`)."""
     _check_by(by, steps)
     out, split_ones = [], []
-    for label, spec, options in candidates(stages, microbatches, halving):
+    for label, spec, options in candidates(stages, microbatches, halving, steady=by == "period"):
         chunks = spec.chunks_of(options)
         if layers is not None and spec.parts(stages, options) > layers:
             continue

@@ -186,8 +186,8 @@ def chimera_relisted(stages: int, microbatches: int, order_costs: Costs = EQUAL)
     F = I = W and N = D its steps repeat every 3N units, the least its work allows (Chimera's own halving order:
     3N + D/4 - 1/2; relisted from whole micro-batches it gains nothing at N = D). Its price: up to N micro-batches
     of activations per worker where Chimera's own order holds D/2 (bench/RESULTS.md, the period table). Built only
-    when named (``auto`` and the planner rank one step's makespan); ``schedule best --rank-by period`` reports it as
-    ``chimera --mode halving --split-backward +joint steps``.
+    when named (``auto`` and the planner rank one step's makespan); ``schedule best --rank-by period`` ranks it
+    (its jointly ordered steps are ``chimera --mode halving --split-backward +joint steps``).
     """
     base = chimera(stages, microbatches, "halving", split_backward=True, order_costs=order_costs)
     main = [[a for a in row if a.kind is not Kind.W] for row in base.actions]
@@ -244,7 +244,7 @@ register(ScheduleSpec("bitpipe", bitpipe, "BitPipe-style: two V-shaped pipelines
 register(ScheduleSpec("chimera-relisted", chimera_relisted,
                       "Chimera, split backward, in the list scheduler's free order (shortest period of steps)",
                       accepts=lambda d, n, o: chimera_accepts(d, n, {"mode": "halving"}), backward=(True,), shares=2,
-                      auto=False, searched=False, takes=("order_costs",),
+                      searched=False, takes=("order_costs",),
                       frame=lambda d, n, order_costs=EQUAL: _chimera_frame(d, n, "halving")))
 register(ScheduleSpec("chimera4", chimera4, "Chimera with four pipelines (4/D of the model per worker)",
                       accepts=_four_pipes, backward=(True,), shares=4, takes=("order_costs",),

@@ -47,7 +47,8 @@ class ScheduleSpec:
         chunks: stages per worker and pipe: None (one), ``"option"`` (``--chunks``, default 2) or a fixed number.
         shares: the shares of the model (1/D each) a worker holds: weights, gradients and optimizer state.
         auto: ``--schedule auto`` considers it (the planner considers every searched schedule).
-        searched: ``auto`` and the planner may consider it; False: built only when named.
+        searched: ``auto`` and the planner may consider it; False: built only when named (and ranked by
+            ``schedule best --rank-by period``).
         takes: the builder's keyword options beyond (stages, microbatches).
         frame: the schedule without its order, for the planner's bound (:func:`frame_schedule`): called like
             ``build`` (with the same options), it returns a Schedule with the placement, micro-batch units and
@@ -262,15 +263,16 @@ def _checked(name: str, stages: int, microbatches: int, data_parallel: int, spli
     return spec, given
 
 
-def candidates(stages: int, microbatches: int, halving: bool = True, auto_only: bool = True
+def candidates(stages: int, microbatches: int, halving: bool = True, auto_only: bool = True, steady: bool = False
                ) -> list[tuple[str, ScheduleSpec, dict[str, Any]]]:
     """(label, spec, options) of every variant that builds for (D, N): whole-backward variants first, then split
     ones, each in registration order. ``halving``: include Chimera's backward halving; ``auto_only``: only the
-    schedules ``--schedule auto`` considers (the planner takes them all)."""
+    schedules ``--schedule auto`` considers (the planner takes them all); ``steady``: also those built only when
+    named (``searched=False``), which ``schedule best --rank-by period`` ranks."""
     out = []
     for split in (False, True):
         for spec in SCHEDULES.values():
-            if not spec.searched or (auto_only and not spec.auto):
+            if (not spec.searched and not steady) or (auto_only and not spec.auto):
                 continue
             out += [(spec.label(o), spec, o) for o in spec.variants(stages, microbatches, split, halving)]
     return out
