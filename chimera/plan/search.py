@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chimera.offload.policy import EVERYTHING, Offload, ladder
-from chimera.plan.bound import frame_key, lower_bound
+from chimera.plan.bound import bound_and_fit, frame_key
 from chimera.plan.candidate import PAST_TOP, Candidate, Evaluated, PlanResult
 from chimera.plan.collector import collector_paused
 from chimera.plan.fit import fit_offload
@@ -132,21 +132,22 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
                                         "optimizer": optimizer, "shard_optimizer": shard})
     pending = []
     frames: dict[tuple[Any, ...], Schedule] = {}
-    bounds: dict[tuple[Any, ...], float] = {}  # by what the bound reads (frame_key), unit and backward form
+    # by what the bound reads (frame_key), unit and backward form: the bound, and whether it surely fits as it is
+    bounds: dict[tuple[Any, ...], tuple[float, bool]] = {}
     for i, (c, why) in enumerate(candidates(len(profile.layers), workers, g, sizes, frames, stages, shard)):
         if not _matches(c, fixed, ("recompute", "offload")):
             continue
         if why:
             result.infeasible.append(Evaluated(c, reason=why))
             continue
-        bound = 0.0
+        bound, fits = 0.0, False
         if prune:
             frame, whole = _frame(c, frames), not (c.split_backward or c.spec.split_only)
             key = (frame_key(frame), c.unit, whole)
             if key not in bounds:
-                bounds[key] = lower_bound(profile, frame, c.unit, whole, memory_limit, optimizer, exchange)
-            bound = bounds[key]
-        pending.append((bound, i, c))
+                bounds[key] = bound_and_fit(profile, frame, c.unit, whole, memory_limit, optimizer, exchange)
+            bound, fits = bounds[key]
+        pending.append((bound, i, c, fits))
     pending.sort(key=lambda x: x[:2])
     pricer = _Pricer(profile, memory_limit, optimizer, exchange, prune, optimizer_owned)
     with collector_paused(), contextlib.nullcontext() if prune else fresh_builds():
@@ -155,15 +156,16 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     return result
 
 
-def _estimate(pricer: _Pricer, pending: Sequence[tuple[float, int, Candidate]], result: PlanResult,
+def _estimate(pricer: _Pricer, pending: Sequence[tuple[float, int, Candidate, bool]], result: PlanResult,
               fixed: Mapping[str, Any], keep: int) -> dict[Candidate, tuple[int, int]]:
     """The first pass over ``pending`` (bound, index, candidate), fewest bound first, into ``result``; returns
     every ranked candidate's place in the enumeration (what breaks ties). With ``prune``, stops at the first
-    bound above the ``keep``-th fastest estimate so far (every later one's bound is as high), and a candidate whose
-    estimate is past it is pruned before its memory is priced (``PlanResult.pruned`` counts both)."""
+    bound above the ``keep``-th fastest estimate so far (every later one's bound is as high), and a candidate that
+    surely fits as it is and whose estimate is past it is pruned before its memory is priced
+    (``PlanResult.pruned`` counts both)."""
     best: list[float] = []  # max-heap (negated) of the ``keep`` fastest estimates so far
     order: dict[Candidate, tuple[int, int]] = {}
-    for k, (bound, i, c) in enumerate(pending):
+    for k, (bound, i, c, fits) in enumerate(pending):
         cut = -best[0] if pricer.prune and len(best) >= keep else None
         if cut is not None and bound > cut:
             result.pruned += len(pending) - k
@@ -173,7 +175,9 @@ def _estimate(pricer: _Pricer, pending: Sequence[tuple[float, int, Candidate]], 
         except ScheduleConfigError as e:
             result.infeasible.append(Evaluated(c, reason=str(e)))
             continue
-        ev = _first_fit(pricer, c, sched, result.infeasible, fixed, cut)
+        # one that surely fits as it is is estimated once (an offloaded variant, estimated on its lowered
+        # schedule, could be faster), so past the cut it is pruned before its memory is priced
+        ev = _first_fit(pricer, c, sched, result.infeasible, fixed, cut if fits else None)
         if ev.reason is PAST_TOP:  # never in the top ``keep``: the cut only comes down
             result.pruned += 1
             continue
@@ -215,19 +219,18 @@ def _first_fit(pricer: _Pricer, c: Candidate, sched: Schedule, tried: list[Evalu
                above: float | None = None) -> Evaluated:
     """``c`` estimated as it is; if it does not fit, recomputing, then with ever more of its state in host memory
     (offload); the configurations that did not fit go to ``tried``. Returns the first that fits, else the last
-    tried (with its reason; :data:`PAST_TOP` where its estimate is past ``above``: recomputing and offload only
-    add time)."""
+    tried (with its reason; :data:`PAST_TOP` where its estimate is past ``above``, given only for a candidate that
+    surely fits as it is)."""
     ev = pricer.evaluate(c, sched, rounds=0, exact=False, above=above)
     if ev.reason is not None and "memory" in ev.reason and not c.recompute:
         tried.append(ev)
-        ev = pricer.evaluate(dataclasses.replace(c, recompute=True), sched, rounds=0, exact=False, above=above)
+        ev = pricer.evaluate(dataclasses.replace(c, recompute=True), sched, rounds=0, exact=False)
     offloads = [] if pricer.owned is not None else _offloads(c, max(1, len(pricer.profile.layers) // c.parts), fixed)
     for off in offloads:  # sharded: no offload (an offloaded stage's optimizer state is not sharded)
         if ev.reason is None or "memory" not in ev.reason:
             break
         tried.append(ev)
-        ev = pricer.evaluate(dataclasses.replace(ev.candidate, offload=off), sched, rounds=0, exact=False,
-                             above=above)
+        ev = pricer.evaluate(dataclasses.replace(ev.candidate, offload=off), sched, rounds=0, exact=False)
     return ev
 
 
