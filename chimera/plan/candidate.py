@@ -92,7 +92,3 @@ class PlanResult:
     infeasible: list[Evaluated]
     pruned: int = 0
     inputs: dict[str, Any] = field(default_factory=dict)
-
-
-#: the reason of a first estimate past the ``top + refine`` fastest so far (pruned, not listed)
-PAST_TOP = "estimated past the fastest top + refine"

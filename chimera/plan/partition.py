@@ -267,7 +267,7 @@ def _balanced(work: tuple[float, ...], d: int, holders: tuple[tuple[int, ...], .
 def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: bool, optimizer: str,
                    memory_limit: int | None = None, exchange: bool = True, rounds: int = 8,
                    simulated_up_to: int = 16, exact: bool = True, offload: Offload | None = None,
-                   owned: Owned | None = None, above: float | None = None) -> PartitionResult:
+                   owned: Owned | None = None, memory: bool = True) -> PartitionResult:
     """The partition of ``profile``'s layers into ``schedule.stages`` stages with the least simulated step time
     whose every worker fits ``memory_limit`` bytes (when no partition fits, the one that needs least memory; both
     exact up to ``ENUMERATED`` partitions with ``rounds`` > 0, beyond that a local search's best).
@@ -279,8 +279,8 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     for. ``offload``: the schedule is lowered with its swaps (always: they decide memory) and priced with them.
     ``owned`` (``--shard-optimizer``): each partition's memory counts only every worker's owned share of the
     optimizer state (:data:`chimera.plan.sharding.Owned`; its ValueError, where a partition cannot be sharded,
-    propagates). ``above`` (a first estimate, ``rounds`` 0): a step past it is returned unpriced in memory
-    (``memory`` empty), which only the memory walk would have cost."""
+    propagates). ``memory`` False (a first estimate, ``rounds`` 0, of a candidate that surely fits): the step alone,
+    ``PartitionResult.memory`` empty (the memory walk is what it saves)."""
     d = schedule.stages
     compute_only = schedule.compute_only()
     offloaded = offload is not None and offload.optimizer
@@ -300,7 +300,7 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
         sim = simulate(timed, costs)
         tail = 0.0 if exact else max((costs.stage_value(costs.allreduce, s) for s in range(d)), default=0.0)
         step = float(sim.makespan) + tail
-        if above is not None and step > above:
+        if not memory:
             return PartitionResult(list(sizes), step, float(sim.bubble), [])
         mem = worker_memory(profile, timed, layers, unit, optimizer, recompute, exchange, walker(), offload, own)
         return PartitionResult(list(sizes), step, float(sim.bubble), mem)

@@ -28,7 +28,7 @@ from typing import Any
 
 from chimera.offload.policy import EVERYTHING, Offload, ladder
 from chimera.plan.bound import bound_and_fit, frame_key
-from chimera.plan.candidate import PAST_TOP, Candidate, Evaluated, PlanResult
+from chimera.plan.candidate import Candidate, Evaluated, PlanResult
 from chimera.plan.collector import collector_paused
 from chimera.plan.fit import fit_offload
 from chimera.plan.partition import PartitionResult, layers_of, plan_partition
@@ -152,6 +152,7 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     pricer = _Pricer(profile, memory_limit, optimizer, exchange, prune, optimizer_owned)
     with collector_paused(), contextlib.nullcontext() if prune else fresh_builds():
         order = _estimate(pricer, pending, result, fixed, top + refine)
+        _price_deferred(pricer, result, order, top + refine, refine)
         _refine(pricer, result, order, refine)
     return result
 
@@ -160,9 +161,9 @@ def _estimate(pricer: _Pricer, pending: Sequence[tuple[float, int, Candidate, bo
               fixed: Mapping[str, Any], keep: int) -> dict[Candidate, tuple[int, int]]:
     """The first pass over ``pending`` (bound, index, candidate), fewest bound first, into ``result``; returns
     every ranked candidate's place in the enumeration (what breaks ties). With ``prune``, stops at the first
-    bound above the ``keep``-th fastest estimate so far (every later one's bound is as high), and a candidate that
-    surely fits as it is and whose estimate is past it is pruned before its memory is priced
-    (``PlanResult.pruned`` counts both)."""
+    bound above the ``keep``-th fastest estimate so far (every later one's bound is as high). A candidate that
+    surely fits as it is is estimated without its memory (``peak_memory`` None, :func:`_price_deferred`), and
+    pruned if its estimate is past that cut (``PlanResult.pruned`` counts both)."""
     best: list[float] = []  # max-heap (negated) of the ``keep`` fastest estimates so far
     order: dict[Candidate, tuple[int, int]] = {}
     for k, (bound, i, c, fits) in enumerate(pending):
@@ -175,10 +176,10 @@ def _estimate(pricer: _Pricer, pending: Sequence[tuple[float, int, Candidate, bo
         except ScheduleConfigError as e:
             result.infeasible.append(Evaluated(c, reason=str(e)))
             continue
-        # one that surely fits as it is is estimated once (an offloaded variant, estimated on its lowered
-        # schedule, could be faster), so past the cut it is pruned before its memory is priced
-        ev = _first_fit(pricer, c, sched, result.infeasible, fixed, cut if fits else None)
-        if ev.reason is PAST_TOP:  # never in the top ``keep``: the cut only comes down
+        # one that surely fits as it is is estimated once (no recomputing or offloaded variant, which, estimated on
+        # its lowered schedule, could be faster), so past the cut it is never in the top ``keep``
+        ev = _first_fit(pricer, c, sched, result.infeasible, fixed, memory=not fits)
+        if fits and cut is not None and ev.reason is None and ev.step_s > cut:  # type: ignore[operator]
             result.pruned += 1
             continue
         if ev.reason is not None:
@@ -196,12 +197,38 @@ def _estimate(pricer: _Pricer, pending: Sequence[tuple[float, int, Candidate, bo
     return order
 
 
-def _refine(pricer: _Pricer, result: PlanResult, order: Mapping[Candidate, tuple[int, int]], refine: int) -> None:
-    """The ``refine`` fastest estimates again with their partition searched on the lowered schedule; ranks."""
+def _price_deferred(pricer: _Pricer, result: PlanResult, order: Mapping[Candidate, tuple[int, int]], keep: int,
+                    refine: int) -> None:
+    """The first estimates left without memory (``peak_memory`` None) priced where they show: after the ``refine``
+    fastest (which :func:`_refine` prices again) up to the ``keep``-th; those past it are pruned (never in the
+    top: the refined ones move, the others keep their order)."""
+    result.ranked.sort(key=_rank(order))
+    kept = []
+    for pos, e in enumerate(result.ranked):
+        if e.peak_memory is None and pos >= keep:
+            result.pruned += 1
+            continue
+        if e.peak_memory is None and pos >= refine:
+            e = pricer.evaluate(e.candidate, pricer.schedule(e.candidate), rounds=0, exact=False)
+            if e.reason is not None:
+                result.infeasible.append(e)
+                continue
+        kept.append(e)
+    result.ranked = kept
+
+
+def _rank(order: Mapping[Candidate, tuple[int, int]]) -> Any:
+    """The ranking key: the step, then the place in the enumeration."""
 
     def rank(e: Evaluated) -> tuple[float, tuple[int, int]]:
         return e.step_s, order[e.candidate]  # type: ignore[return-value]
 
+    return rank
+
+
+def _refine(pricer: _Pricer, result: PlanResult, order: Mapping[Candidate, tuple[int, int]], refine: int) -> None:
+    """The ``refine`` fastest estimates again with their partition searched on the lowered schedule; ranks."""
+    rank = _rank(order)
     result.ranked.sort(key=rank)
     head = [pricer.evaluate(e.candidate, pricer.schedule(e.candidate), rounds=4) for e in result.ranked[:refine]]
     result.ranked[:len(head)] = [h for h in head if h.reason is None]
@@ -216,12 +243,11 @@ def _matches(c: Candidate, fixed: Mapping[str, Any], skip: tuple[str, ...]) -> b
 
 
 def _first_fit(pricer: _Pricer, c: Candidate, sched: Schedule, tried: list[Evaluated], fixed: Mapping[str, Any],
-               above: float | None = None) -> Evaluated:
+               memory: bool = True) -> Evaluated:
     """``c`` estimated as it is; if it does not fit, recomputing, then with ever more of its state in host memory
     (offload); the configurations that did not fit go to ``tried``. Returns the first that fits, else the last
-    tried (with its reason; :data:`PAST_TOP` where its estimate is past ``above``, given only for a candidate that
-    surely fits as it is)."""
-    ev = pricer.evaluate(c, sched, rounds=0, exact=False, above=above)
+    tried (with its reason). ``memory`` False: a candidate that surely fits, estimated without its memory."""
+    ev = pricer.evaluate(c, sched, rounds=0, exact=False, memory=memory)
     if ev.reason is not None and "memory" in ev.reason and not c.recompute:
         tried.append(ev)
         ev = pricer.evaluate(dataclasses.replace(c, recompute=True), sched, rounds=0, exact=False)
@@ -272,44 +298,42 @@ class _Pricer:
                                     data_parallel=c.data_parallel, split_backward=c.split_backward)
         return self.built[key]
 
-    def partition(self, c: Candidate, sched: Schedule, rounds: int, exact: bool, above: float | None = None
+    def partition(self, c: Candidate, sched: Schedule, rounds: int, exact: bool, memory: bool = True
                   ) -> PartitionResult:
         """:func:`plan_partition` of ``c`` on ``sched``; once per content of the schedule with ``prune``
-        (``above``: a first estimate past it is left unpriced in memory)."""
+        (``memory`` False: without the memory)."""
         scale = sched.microbatch_scale
         binary = scale.numerator & (scale.numerator - 1) == 0 and scale.denominator & (scale.denominator - 1) == 0
         key = (tuple(sched.placement.items()), sched.data_parallel, sched.microbatches, None if binary else scale,
-               tuple(map(len, sched.actions)), c.unit, c.recompute, c.offload, rounds, exact)
+               tuple(map(len, sched.actions)), c.unit, c.recompute, c.offload, rounds, exact, memory)
         same = self.priced.setdefault(key, []) if self.prune else []
         for actions, part in same:
             if actions == sched.actions:  # rows shared by builds of one order compare by identity
                 return part
         part = plan_partition(self.profile, sched, c.unit, c.recompute, self.optimizer, self.memory_limit,
                               self.exchange, rounds=rounds, exact=exact, offload=c.offload, owned=self.owned,
-                              above=above if self.prune else None)
+                              memory=memory)
         same.append((sched.actions, part))
         return part
 
     def evaluate(self, c: Candidate, sched: Schedule, rounds: int = 8, exact: bool = True,
-                 above: float | None = None) -> Evaluated:
-        """``c`` priced on ``sched``, or why it does not fit (or, sharded, cannot be sharded); a first estimate past
-        ``above`` (with ``prune``) is returned with the reason :data:`PAST_TOP`, unpriced in memory."""
+                 memory: bool = True) -> Evaluated:
+        """``c`` priced on ``sched``, or why it does not fit (or, sharded, cannot be sharded); ``memory`` False (a
+        candidate that surely fits): its ``peak_memory`` None, not priced."""
         try:
-            part = self.partition(c, sched, rounds, exact, above)
+            part = self.partition(c, sched, rounds, exact, memory)
         except ValueError as e:  # the optimizer state cannot be sharded so (chimera.compile.shard)
             if self.owned is None:
                 raise
             return Evaluated(c, reason=str(e))
-        if not part.memory:
-            return Evaluated(c, part.step_s, reason=PAST_TOP)
         peak, limit = part.peak_memory, self.memory_limit
         if limit is not None and peak > limit:
             return Evaluated(c, peak_memory=peak, partition=part.sizes,
                              reason=f"needs {peak / 2**30:.2f} GiB on a worker, more than the {limit / 2**30:.2f} "
                                     "GiB memory limit")
         samples = c.micro_batch_size * c.micro_batches * c.data_parallel
-        return Evaluated(c, part.step_s, samples / part.step_s if part.step_s else None, part.bubble, peak,
-                         part.sizes, exact=exact)
+        return Evaluated(c, part.step_s, samples / part.step_s if part.step_s else None, part.bubble,
+                         peak if memory else None, part.sizes, exact=exact)
 
 
 def _per_stage(pricer: _Pricer, ev: Evaluated, sched: Schedule) -> list[Evaluated]:
