@@ -264,6 +264,18 @@ def _balanced(work: tuple[float, ...], d: int, holders: tuple[tuple[int, ...], .
     return tuple(_climb(min_max_split(work, d), _load(work, d, holders), limit=4 * d))
 
 
+def with_memory(part: PartitionResult, profile: Profile, schedule: Schedule, unit: int, recompute: bool,
+                optimizer: str, exchange: bool = True, offload: Offload | None = None, owned: Owned | None = None
+                ) -> PartitionResult:
+    """``part``, a first estimate of :func:`plan_partition` made without its memory (``memory=False``), with every
+    worker's peak priced as that estimate would have priced it (on the compute-only schedule)."""
+    layers = layers_of(part.sizes)
+    own = owned(schedule, layers) if owned is not None else None
+    mem = worker_memory(profile, schedule.compute_only(), layers, unit, optimizer, recompute, exchange, None, offload,
+                        own)
+    return PartitionResult(part.sizes, part.step_s, part.bubble, mem)
+
+
 def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: bool, optimizer: str,
                    memory_limit: int | None = None, exchange: bool = True, rounds: int = 8,
                    simulated_up_to: int = 16, exact: bool = True, offload: Offload | None = None,

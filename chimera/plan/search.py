@@ -31,7 +31,7 @@ from chimera.plan.bound import bound_and_fit, frame_key
 from chimera.plan.candidate import Candidate, Evaluated, PlanResult
 from chimera.plan.collector import collector_paused
 from chimera.plan.fit import fit_offload
-from chimera.plan.partition import PartitionResult, layers_of, plan_partition
+from chimera.plan.partition import PartitionResult, layers_of, plan_partition, with_memory
 from chimera.plan.sharding import Owned, sharding
 from chimera.profile import Profile
 from chimera.schedule import Schedule, ScheduleConfigError, build_schedule
@@ -305,10 +305,14 @@ class _Pricer:
         scale = sched.microbatch_scale
         binary = scale.numerator & (scale.numerator - 1) == 0 and scale.denominator & (scale.denominator - 1) == 0
         key = (tuple(sched.placement.items()), sched.data_parallel, sched.microbatches, None if binary else scale,
-               tuple(map(len, sched.actions)), c.unit, c.recompute, c.offload, rounds, exact, memory)
+               tuple(map(len, sched.actions)), c.unit, c.recompute, c.offload, rounds, exact)
         same = self.priced.setdefault(key, []) if self.prune else []
-        for actions, part in same:
+        for k, (actions, part) in enumerate(same):
             if actions == sched.actions:  # rows shared by builds of one order compare by identity
+                if memory and not part.memory:  # estimated without its memory: priced now, the step kept
+                    part = with_memory(part, self.profile, sched, c.unit, c.recompute, self.optimizer, self.exchange,
+                                       c.offload, self.owned)
+                    same[k] = (actions, part)
                 return part
         part = plan_partition(self.profile, sched, c.unit, c.recompute, self.optimizer, self.memory_limit,
                               self.exchange, rounds=rounds, exact=exact, offload=c.offload, owned=self.owned,
