@@ -3,6 +3,7 @@
     chimera plan --model bert-48 --profile-file profiles/bert-48.profile.json --workers 32 \
         --memory-per-worker 16GiB --global-batch 256 --top 10 -o profiles/bert-48.plan.json
     chimera plan --chain mypkg.models:chain --profile-file p.json --workers 4     # your own model
+    chimera plan --model bert-48 --profile-file p.json --workers 32 --shard-optimizer   # ZeRO-1 priced and planned
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from chimera.cli.common import add_model_args, model_of
 from chimera.cli.options import UsageError, add_field, deprecated_alias
 from chimera.compile.names import choices
+from chimera.compile.shard import owned_pricer
 from chimera.plan import PlanError, PlanFile, plan
 from chimera.plan.planfile import summary
 from chimera.plan.profiles import trust_note
@@ -41,6 +43,9 @@ def add_parser(sub: Any, parser_class: type) -> None:
     p.add_argument("--global-batch", "-G", type=int, default=None, help="samples per step (N x B x W) (default: the "
                    "largest profiled micro-batch per worker)")
     add_field(p, "optimizer", default="lamb", help="optimizer whose state counts in memory", names_of=choices)
+    add_field(p, "shard_optimizer", default=False, help="price every candidate with its optimizer state sharded over "
+              "each stage's replicas (ZeRO-1, as training's --shard-optimizer assigns it: a worker counts only the "
+              "state it owns; no offload), and record the flag in the plan file so that --plan FILE trains sharded")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table (default: 10)")
     p.add_argument("--json", action="store_true", help="print the ranked candidates as JSON")
     p.add_argument("-o", "--output", default=None, help="plan file (default: profiles/MODEL.plan.json)")
@@ -59,7 +64,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         profile = Profile.load(args.profile_file).check(chain)
         limit = parse_bytes(args.memory_per_worker) if args.memory_per_worker else profile.device_memory_bytes
-        result = plan(profile, args.workers, args.global_batch, limit, args.optimizer, args.top, stages=args.stages)
+        owned = owned_pricer(chain) if args.shard_optimizer else None
+        result = plan(profile, args.workers, args.global_batch, limit, args.optimizer, args.top, stages=args.stages,
+                      optimizer_owned=owned)
         trust = trust_note(profile, args.workers, args.nodes)
         chosen = PlanFile.from_result(result, chain.name, profile.fingerprint, profile.device, trust=trust)
     except (ValueError, ProfileError, PlanError) as e:

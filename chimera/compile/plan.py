@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from chimera.compile.shard import owned_pricer
 from chimera.config import FIELDS, ConfigError, TrainConfig
 from chimera.job import Prediction
 from chimera.plan import PlanError, PlanFile, plan
@@ -24,7 +25,7 @@ from chimera.util.units import parse_bytes
 
 #: the flags a plan decides (the planner's Candidate.flags, plus the partition)
 PLANNED = ("schedule", "mode", "stages", "data_parallel", "micro_batch_size", "micro_batches", "recompute", "chunks",
-           "offload", "prefetch", "offload_pack", "split_backward", "partition")
+           "offload", "prefetch", "offload_pack", "split_backward", "partition", "shard_optimizer")
 
 
 def _fixed(cfg: TrainConfig) -> dict[str, Any]:
@@ -89,5 +90,7 @@ def _auto(cfg: TrainConfig, chain: Any, threads: int, log: Callable[[str], None]
         sizes = sorted({*sizes, b // 2})
     prof = cached_profile(chain, sizes, t.device, threads, sharing(workers, t.device), progress=log)
     limit = parse_bytes(cfg.memory.memory_per_worker) if cfg.memory.memory_per_worker not in (None, "device") else None
-    result = plan(prof, workers, global_batch, limit, t.optimizer, exchange=t.device != "cuda", fixed=fixed)
+    owned = owned_pricer(chain) if t.shard_optimizer else None  # sharded: priced as the job will be
+    result = plan(prof, workers, global_batch, limit, t.optimizer, exchange=t.device != "cuda", fixed=fixed,
+                  optimizer_owned=owned)
     return PlanFile.from_result(result, chain.name, prof.fingerprint, prof.device)

@@ -15,7 +15,7 @@ from typing import Any
 
 from chimera.compile.memory import Budget, Shapes, exclude_over_budget
 from chimera.compile.model import Model
-from chimera.compile.shard import shard_pass
+from chimera.compile.shard import owned_pricer, shard_pass
 from chimera.config import ConfigError, TrainConfig
 from chimera.job import Layout, Prediction
 from chimera.plan import plan
@@ -122,8 +122,9 @@ def _auto_profiled(cfg: TrainConfig, model: Model, budget: Budget, threads: int,
     if cfg.memory.offload != "auto":
         fixed["offload"] = cfg.memory.offload
     # every candidate priced, none pruned: the plain schedules are compared with the fastest (a dozen candidates)
+    owned = owned_pricer(model.chain) if t.shard_optimizer else None  # --shard-optimizer: as _auto prices it
     result = plan(prof, world, s.micro_batches * s.micro_batch_size * s.data_parallel, budget.bytes, t.optimizer,
-                  exchange=t.device != "cuda", fixed=fixed, prune=False)
+                  exchange=t.device != "cuda", fixed=fixed, prune=False, optimizer_owned=owned)
     ranked = [e for e in result.ranked if e.candidate.spec.auto]
     if not ranked:
         reasons = sorted({e.reason for e in result.infeasible if e.reason})[:3]

@@ -3,6 +3,7 @@ each parameter's optimizer state.
 
     shards = shard_pass(cfg, chain, schedule, stage_layers)     # None without the flag
     shards.owners[s]                                           # ((name, bytes, owner rank), ...)
+    plan(profile, ..., optimizer_owned=owned_pricer(chain))   # the planner prices the same assignment
 
 Whole parameters, balanced by bytes: over every stage together, the largest first, each to the rank of its stage's
 group (``Schedule.stage_group``) owning the fewest bytes so far (ties: the lower rank); the stages' parameters are
@@ -12,13 +13,14 @@ assignment and the memory model prices the same shares.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from chimera.config import ConfigError, TrainConfig
 from chimera.job import OptimizerShards
 from chimera.models import LayerChain, build_stage
+from chimera.plan.sharding import Owned, shard_offload_refusal
 from chimera.schedule import Schedule
 
 
@@ -53,10 +55,17 @@ def shard_pass(cfg: TrainConfig, chain: LayerChain, schedule: Schedule, stage_la
     if not cfg.training.shard_optimizer:
         return None
     if cfg.memory.offload != "none":
-        raise ConfigError(f"--shard-optimizer with --offload {cfg.memory.offload}: an offloaded stage keeps its whole "
-                          "optimizer state in the host store, which is not sharded; give --offload none or drop "
-                          "--shard-optimizer")
-    params: dict[int, list[tuple[str, int]]] = {}
+        raise ConfigError(shard_offload_refusal(cfg.memory.offload))
+    return optimizer_shards(chain, schedule, stage_layers)
+
+
+def optimizer_shards(chain: LayerChain, schedule: Schedule, stage_layers: Sequence[Sequence[int]],
+                     parameters: Callable[[tuple[int, ...]], Sequence[tuple[str, int]]] | None = None
+                     ) -> OptimizerShards:
+    """The owners of every replicated stage's parameters (module docstring); ConfigError naming what to change where
+    the schedule or the data-parallel width does not allow it. ``parameters``: a stage's layers -> its
+    :func:`stage_parameters` (a cache of them)."""
+    params: dict[int, Sequence[tuple[str, int]]] = {}
     for s, layers in enumerate(stage_layers):
         group = schedule.stage_group(s)
         if schedule.stage_group_size(s) != len(group):
@@ -64,7 +73,7 @@ def shard_pass(cfg: TrainConfig, chain: LayerChain, schedule: Schedule, stage_la
                               "their optimizer state cannot be split between them; drop --shard-optimizer or choose "
                               "another --schedule")
         if len(group) > 1:
-            params[s] = stage_parameters(chain, layers)
+            params[s] = parameters(tuple(layers)) if parameters is not None else stage_parameters(chain, layers)
     owners = assign(params, {s: schedule.stage_group(s) for s in params})
     shards = OptimizerShards(owners)
     world = schedule.workers * schedule.data_parallel
@@ -75,3 +84,20 @@ def shard_pass(cfg: TrainConfig, chain: LayerChain, schedule: Schedule, stage_la
                               f"{sorted(set(held))} have fewer parameters than replicas); use fewer --data-parallel "
                               "groups or drop --shard-optimizer")
     return shards
+
+
+def owned_pricer(chain: LayerChain) -> Owned:
+    """What the planner prices ``--shard-optimizer`` with (``plan(..., optimizer_owned=...)``): per candidate schedule
+    and partition, each worker's owned parameter bytes per stage (``OptimizerShards.per_worker``) of the assignment
+    training makes, or its ConfigError; each stage's parameters read once per layer range."""
+    cache: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+
+    def parameters(layers: tuple[int, ...]) -> list[tuple[str, int]]:
+        if layers not in cache:
+            cache[layers] = stage_parameters(chain, layers)
+        return cache[layers]
+
+    def owned(schedule: Schedule, stage_layers: Sequence[Sequence[int]]) -> list[dict[int, int]]:
+        return optimizer_shards(chain, schedule, stage_layers, parameters).per_worker(schedule)
+
+    return owned

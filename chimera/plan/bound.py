@@ -40,12 +40,20 @@ def lower_bound(profile: Profile, frame: Schedule, unit: int, whole_backward: bo
                 optimizer: str, exchange: bool) -> float:
     """Seconds no estimate of the candidate with this frame (:func:`chimera.schedule.registry.frame_schedule`),
     unit and backward form can beat, as it is or recomputing or offloaded (module docstring)."""
+    return bound_and_fit(profile, frame, unit, whole_backward, memory_limit, optimizer, exchange)[0]
+
+
+def bound_and_fit(profile: Profile, frame: Schedule, unit: int, whole_backward: bool, memory_limit: int | None,
+                  optimizer: str, exchange: bool) -> tuple[float, bool]:
+    """:func:`lower_bound`, and whether the candidate surely fits as it is (no memory limit, or
+    :func:`chimera.plan.memory.memory_ceiling` within it): then no recomputing or offloaded variant is tried, and
+    its first estimate is its least."""
     sizes = balanced(profile, frame, unit, False)
     if memory_limit is None or memory_ceiling(profile, frame, layers_of(sizes), unit, optimizer,
                                               exchange) <= memory_limit:
-        return _bound(profile, frame, unit, False, whole_backward, lowered=False) * (1 - SLACK)
+        return _bound(profile, frame, unit, False, whole_backward, lowered=False) * (1 - SLACK), True
     return min(_bound(profile, frame, unit, recompute, whole_backward, lowered=True)
-               for recompute in (False, True)) * (1 - SLACK)
+               for recompute in (False, True)) * (1 - SLACK), False
 
 
 def frame_key(frame: Schedule) -> tuple[Any, ...]:

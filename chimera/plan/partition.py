@@ -42,6 +42,7 @@ from chimera.offload.lowering import lower
 from chimera.offload.policy import Offload
 from chimera.plan.costs import simulator_costs
 from chimera.plan.memory import MemoryWalk, WorkerMemory, worker_memory
+from chimera.plan.sharding import Owned
 from chimera.profile import Profile
 from chimera.schedule import Schedule, simulate
 
@@ -170,7 +171,7 @@ class PartitionResult:
 
     @property
     def peak_memory(self) -> int:
-        return max(m.total for m in self.memory)
+        return max((m.total for m in self.memory), default=0)
 
 
 def _neighbours(sizes: list[int]) -> list[list[int]]:
@@ -263,9 +264,22 @@ def _balanced(work: tuple[float, ...], d: int, holders: tuple[tuple[int, ...], .
     return tuple(_climb(min_max_split(work, d), _load(work, d, holders), limit=4 * d))
 
 
+def with_memory(part: PartitionResult, profile: Profile, schedule: Schedule, unit: int, recompute: bool,
+                optimizer: str, exchange: bool = True, offload: Offload | None = None, owned: Owned | None = None
+                ) -> PartitionResult:
+    """``part``, a first estimate of :func:`plan_partition` made without its memory (``memory=False``), with every
+    worker's peak priced as that estimate would have priced it (on the compute-only schedule)."""
+    layers = layers_of(part.sizes)
+    own = owned(schedule, layers) if owned is not None else None
+    mem = worker_memory(profile, schedule.compute_only(), layers, unit, optimizer, recompute, exchange, None, offload,
+                        own)
+    return PartitionResult(part.sizes, part.step_s, part.bubble, mem)
+
+
 def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: bool, optimizer: str,
                    memory_limit: int | None = None, exchange: bool = True, rounds: int = 8,
-                   simulated_up_to: int = 16, exact: bool = True, offload: Offload | None = None) -> PartitionResult:
+                   simulated_up_to: int = 16, exact: bool = True, offload: Offload | None = None,
+                   owned: Owned | None = None, memory: bool = True) -> PartitionResult:
     """The partition of ``profile``'s layers into ``schedule.stages`` stages with the least simulated step time
     whose every worker fits ``memory_limit`` bytes (when no partition fits, the one that needs least memory; both
     exact up to ``ENUMERATED`` partitions with ``rounds`` > 0, beyond that a local search's best).
@@ -274,21 +288,34 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     keep the load-balanced partition, whose step the simulator then predicts once. ``exact``: simulate the
     lowered schedule (messages as actions, gradient sums, optimizer); otherwise, for a quick first ranking, the
     compute-only schedule (messages as delays) plus the largest stage's gradient sum, which the step's end waits
-    for. ``offload``: the schedule is lowered with its swaps (always: they decide memory) and priced with them."""
+    for. ``offload``: the schedule is lowered with its swaps (always: they decide memory) and priced with them.
+    ``owned`` (``--shard-optimizer``): each partition's memory counts only every worker's owned share of the
+    optimizer state (:data:`chimera.plan.sharding.Owned`; its ValueError, where a partition cannot be sharded,
+    propagates). ``memory`` False (a first estimate, ``rounds`` 0, of a candidate that surely fits): the step alone,
+    ``PartitionResult.memory`` empty (the memory walk is what it saves)."""
     d = schedule.stages
     compute_only = schedule.compute_only()
     offloaded = offload is not None and offload.optimizer
     exact = exact or offloaded
     timed = lower(compute_only, offload) if exact else compute_only  # prepared once, simulated per partition
-    walk = MemoryWalk(timed)
+    walks: list[MemoryWalk] = []
+
+    def walker() -> MemoryWalk:  # walked once, when first asked for
+        if not walks:
+            walks.append(MemoryWalk(timed))
+        return walks[0]
 
     def evaluate(sizes: list[int]) -> PartitionResult:
         layers = layers_of(sizes)
-        mem = worker_memory(profile, timed, layers, unit, optimizer, recompute, exchange, walk, offload)
+        own = owned(schedule, layers) if owned is not None else None
         costs = simulator_costs(profile, layers, unit, recompute, schedule, optimizer, offload)
         sim = simulate(timed, costs)
         tail = 0.0 if exact else max((costs.stage_value(costs.allreduce, s) for s in range(d)), default=0.0)
-        return PartitionResult(list(sizes), float(sim.makespan) + tail, float(sim.bubble), mem)
+        step = float(sim.makespan) + tail
+        if not memory:
+            return PartitionResult(list(sizes), step, float(sim.bubble), [])
+        mem = worker_memory(profile, timed, layers, unit, optimizer, recompute, exchange, walker(), offload, own)
+        return PartitionResult(list(sizes), step, float(sim.bubble), mem)
 
     cache: dict[tuple[int, ...], PartitionResult] = {}
 
@@ -307,8 +334,10 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
             sizes = min(sizes, _climb(start, lambda s: simulated(s)[1:], limit=rounds), key=simulated)
         if rounds > 0 and memory_limit is not None and simulated(sizes)[0] > 0:  # step 4
             def peak(s: list[int]) -> int:  # the memory model alone, no simulation
-                return max(m.total for m in worker_memory(profile, timed, layers_of(s), unit, optimizer, recompute,
-                                                          exchange, walk, offload))
+                layers = layers_of(s)
+                own = owned(schedule, layers) if owned is not None else None
+                return max(m.total for m in worker_memory(profile, timed, layers, unit, optimizer, recompute,
+                                                          exchange, walker(), offload, own))
 
             load = _load(layer_work(profile, unit, recompute), d, _holders(schedule))
             sizes = _climb(_least_over(sizes, peak, load, memory_limit), simulated, limit=rounds)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chimera.plan.search import Evaluated, PlanResult
+from chimera.plan.candidate import Evaluated, PlanResult
 
 PLAN_VERSION = 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from chimera.plan.search import Evaluated, PlanResult
+from chimera.plan.candidate import Evaluated, PlanResult
 
 
 def _gib(n: int | None) -> str:
@@ -42,7 +42,8 @@ def report(result: PlanResult, top: int) -> str:
     head = (f"{inp['workers']} workers, global batch {inp['global_batch']}, memory limit "
             f"{_gib(inp.get('memory_limit')) + ' GiB' if inp.get('memory_limit') else 'none'}: "
             f"{len(result.ranked)} feasible, {len(result.infeasible)} infeasible, {result.pruned} pruned by their "
-            "lower bound")
+            "lower bound or first estimate" + ("; optimizer state sharded over each stage's replicas (--shard-optimizer)"
+                             if inp.get("shard_optimizer") else ""))
     parts = [head, "", ranked_table(result.ranked[:top])]
     if result.infeasible:
         parts += ["", "Infeasible:", infeasible_table(result.infeasible, top)]

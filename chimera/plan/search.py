@@ -21,21 +21,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import heapq
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from chimera.offload.policy import EVERYTHING, Offload, ladder
-from chimera.plan.bound import frame_key, lower_bound
+from chimera.plan.bound import bound_and_fit, frame_key
+from chimera.plan.candidate import Candidate, Evaluated, PlanResult
+from chimera.plan.collector import collector_paused
 from chimera.plan.fit import fit_offload
-from chimera.plan.partition import PartitionResult, layers_of, plan_partition
+from chimera.plan.partition import PartitionResult, layers_of, plan_partition, with_memory
+from chimera.plan.sharding import Owned, sharding
 from chimera.profile import Profile
 from chimera.schedule import Schedule, ScheduleConfigError, build_schedule
-from chimera.schedule.registry import ScheduleSpec, cached_build, frame_schedule, fresh_builds
+from chimera.schedule.registry import cached_build, frame_schedule, fresh_builds
 from chimera.schedule.registry import candidates as registry_candidates
-from chimera.schedule.registry import get as schedule_spec
 
 
 def schedules(stages: int, microbatches: int) -> list[tuple[str, str, int, bool]]:
@@ -45,92 +46,13 @@ def schedules(stages: int, microbatches: int) -> list[tuple[str, str, int, bool]
             for _, spec, o in registry_candidates(stages, microbatches, auto_only=False)]
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration: schedule (and Chimera mode), D, W, B, N, recomputation."""
-
-    schedule: str
-    mode: str
-    stages: int
-    data_parallel: int
-    micro_batch_size: int
-    micro_batches: int
-    recompute: bool
-    chunks: int = 2
-    offload: Offload = Offload()
-    split_backward: bool = False
-
-    @property
-    def spec(self) -> ScheduleSpec:
-        return schedule_spec(self.schedule)
-
-    @property
-    def options(self) -> dict[str, Any]:
-        """The schedule's build options."""
-        return {"mode": self.mode, "chunks": self.chunks, "split_backward": self.split_backward}
-
-    @property
-    def unit(self) -> int:
-        """Samples per schedule unit (halving trains on half micro-batches)."""
-        return self.micro_batch_size // 2 if self.mode == "halving" else self.micro_batch_size
-
-    def flags(self) -> dict[str, Any]:
-        """The training flags of this candidate (``TrainConfig.with_flags``); with weights offloaded also how they
-        move (``prefetch``, ``offload_pack``), which the memory it was priced with depends on."""
-        flags = {"schedule": self.schedule, "mode": self.mode, "stages": self.stages,
-                 "data_parallel": self.data_parallel, "micro_batch_size": self.micro_batch_size,
-                 "micro_batches": self.micro_batches, "recompute": self.recompute, "chunks": self.chunks,
-                 "offload": self.offload.text, "split_backward": self.split_backward}
-        moving = self.offload.moving
-        if moving:  # the planner gives every stage the same prefetch and pack size
-            flags.update(prefetch=moving.prefetch, offload_pack=moving.pack)
-        return flags
-
-    @property
-    def parts(self) -> int:
-        """Stages the model is cut into: D, or D x chunks where a worker holds several per pipe."""
-        return self.spec.parts(self.stages, self.options)
-
-    @property
-    def label(self) -> str:
-        spec = self.spec
-        name = f"{self.schedule}-{self.mode}" if spec.modes else self.schedule
-        split = self.split_backward and not spec.split_only
-        return name + ("+split" if split else "") + ("+recompute" if self.recompute else "") + (
-            f"+offload-{self.offload.text}" if self.offload.optimizer else "")
-
-
-@dataclass(frozen=True)
-class Evaluated:
-    """A candidate with its prediction, or the reason it cannot run."""
-
-    candidate: Candidate
-    step_s: float | None = None
-    samples_per_s: float | None = None
-    bubble: float | None = None
-    peak_memory: int | None = None
-    partition: list[int] | None = None
-    reason: str | None = None
-    exact: bool = False  # simulated on the lowered schedule (else the first pass's estimate)
-
-
-@dataclass
-class PlanResult:
-    """Ranked feasible candidates (best first), infeasible ones with reasons, and how many were pruned."""
-
-    ranked: list[Evaluated]
-    infeasible: list[Evaluated]
-    pruned: int = 0
-    inputs: dict[str, Any] = field(default_factory=dict)
-
-
 def _divisors(k: int) -> list[int]:
     return [d for d in range(1, k + 1) if k % d == 0]
 
 
 def candidates(num_layers: int, workers: int, global_batch: int, sizes: Sequence[int],
-               frames: dict[tuple[Any, ...], Schedule] | None = None, stages: int | None = None
-               ) -> Iterator[tuple[Candidate, str | None]]:
+               frames: dict[tuple[Any, ...], Schedule] | None = None, stages: int | None = None,
+               shard_optimizer: bool = False) -> Iterator[tuple[Candidate, str | None]]:
     """Every (candidate, reason it cannot run or None) without recomputation, at depth ``stages`` if given;
     ``frames`` keeps their frames (:func:`chimera.schedule.registry.frame_schedule`)."""
     frames = {} if frames is None else frames
@@ -142,7 +64,8 @@ def candidates(num_layers: int, workers: int, global_batch: int, sizes: Sequence
             n = global_batch // (b * w)
             # one stage: every schedule is the same
             for name, mode, chunks, split in schedules(d, n) if d > 1 else [("1f1b", "direct", 2, False)]:
-                c = Candidate(name, mode, d, w, b, n, False, chunks, split_backward=split)
+                c = Candidate(name, mode, d, w, b, n, False, chunks, split_backward=split,
+                              shard_optimizer=shard_optimizer)
                 yield c, _why_not(c, num_layers, sizes, frames)
 
 
@@ -175,7 +98,8 @@ def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int], frames: dict[t
 
 def plan(profile: Profile, workers: int, global_batch: int | None = None, memory_limit: int | None = None,
          optimizer: str = "adamw", top: int = 10, exchange: bool | None = None, refine: int = 3,
-         stages: int | None = None, fixed: Mapping[str, Any] | None = None, prune: bool = True) -> PlanResult:
+         stages: int | None = None, fixed: Mapping[str, Any] | None = None, prune: bool = True,
+         optimizer_owned: Owned | None = None) -> PlanResult:
     """Rank the configurations of ``profile``'s model on ``workers`` workers (module docstring).
 
     Every candidate is first estimated with its load-balanced partition (the compute-only schedule plus the
@@ -189,8 +113,14 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     ``prune``: candidates are estimated in the order of their lower bound (:mod:`chimera.plan.bound`), and the rest
     skipped (``PlanResult.pruned``) once a bound exceeds the ``top + refine``-th fastest estimate: the first
     ``top`` of ``ranked`` are then those of the reference path, ``prune=False``, which estimates every candidate
-    and builds every schedule afresh (slow at scale; what the tests compare with)."""
+    and builds every schedule afresh (slow at scale; what the tests compare with).
+
+    ``optimizer_owned`` (``--shard-optimizer``, ZeRO-1; :func:`chimera.compile.shard.owned_pricer` makes it from the
+    model): per schedule and partition, each worker's owned parameter bytes per stage, as training assigns them;
+    every candidate is then priced with only its owned share of the optimizer state (one that cannot be sharded is
+    infeasible, with the reason) and none with offload, which sharding does not allow."""
     fixed = dict(fixed or {})
+    shard = sharding(optimizer_owned, fixed)
     if exchange is None:
         exchange = not profile.device.startswith("cuda")
     stages = fixed.get("stages", stages)
@@ -199,70 +129,59 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     sizes = sorted(profile.micro_batch_sizes)
     g = global_batch or max(sizes) * workers
     result = PlanResult([], [], inputs={"workers": workers, "global_batch": g, "memory_limit": memory_limit,
-                                        "optimizer": optimizer})
+                                        "optimizer": optimizer, "shard_optimizer": shard})
     pending = []
     frames: dict[tuple[Any, ...], Schedule] = {}
-    bounds: dict[tuple[Any, ...], float] = {}  # by what the bound reads (frame_key), unit and backward form
-    for i, (c, why) in enumerate(candidates(len(profile.layers), workers, g, sizes, frames, stages)):
+    # by what the bound reads (frame_key), unit and backward form: the bound, and whether it surely fits as it is
+    bounds: dict[tuple[Any, ...], tuple[float, bool]] = {}
+    for i, (c, why) in enumerate(candidates(len(profile.layers), workers, g, sizes, frames, stages, shard)):
         if not _matches(c, fixed, ("recompute", "offload")):
             continue
         if why:
             result.infeasible.append(Evaluated(c, reason=why))
             continue
-        bound = 0.0
+        bound, fits = 0.0, False
         if prune:
             frame, whole = _frame(c, frames), not (c.split_backward or c.spec.split_only)
             key = (frame_key(frame), c.unit, whole)
             if key not in bounds:
-                bounds[key] = lower_bound(profile, frame, c.unit, whole, memory_limit, optimizer, exchange)
-            bound = bounds[key]
-        pending.append((bound, i, c))
+                bounds[key] = bound_and_fit(profile, frame, c.unit, whole, memory_limit, optimizer, exchange)
+            bound, fits = bounds[key]
+        pending.append((bound, i, c, fits))
     pending.sort(key=lambda x: x[:2])
-    pricer = _Pricer(profile, memory_limit, optimizer, exchange, prune)
-    with _collector_paused(), contextlib.nullcontext() if prune else fresh_builds():
+    pricer = _Pricer(profile, memory_limit, optimizer, exchange, prune, optimizer_owned)
+    with collector_paused(), contextlib.nullcontext() if prune else fresh_builds():
         order = _estimate(pricer, pending, result, fixed, top + refine)
+        _price_deferred(pricer, result, order, top + refine, refine)
         _refine(pricer, result, order, refine)
     return result
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while planning (as it was after): the planner makes millions of small
-    acyclic objects (actions), over which the collector's passes took a fifth of its time and freed nothing.
-
-    After, what survived (mostly the build cache's actions) goes straight to the oldest generation (a freeze undone
-    at once: a move, no scan) instead of being scanned by the youngest generation's next pass, which cost 0.4 s
-    after a plan at K = 2048; cycles among it are still freed, by the next full collection. Not where someone
-    else holds objects frozen (their freeze is theirs to undo)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            if gc.get_freeze_count() == 0:
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
-
-
-def _estimate(pricer: _Pricer, pending: Sequence[tuple[float, int, Candidate]], result: PlanResult,
+def _estimate(pricer: _Pricer, pending: Sequence[tuple[float, int, Candidate, bool]], result: PlanResult,
               fixed: Mapping[str, Any], keep: int) -> dict[Candidate, tuple[int, int]]:
     """The first pass over ``pending`` (bound, index, candidate), fewest bound first, into ``result``; returns
     every ranked candidate's place in the enumeration (what breaks ties). With ``prune``, stops at the first
-    bound above the ``keep``-th fastest estimate so far: every later one's bound is as high."""
+    bound above the ``keep``-th fastest estimate so far (every later one's bound is as high). A candidate that
+    surely fits as it is is estimated without its memory (``peak_memory`` None, :func:`_price_deferred`), and
+    pruned if its estimate is past that cut (``PlanResult.pruned`` counts both)."""
     best: list[float] = []  # max-heap (negated) of the ``keep`` fastest estimates so far
     order: dict[Candidate, tuple[int, int]] = {}
-    for k, (bound, i, c) in enumerate(pending):
-        if pricer.prune and len(best) >= keep and bound > -best[0]:
-            result.pruned = len(pending) - k
+    for k, (bound, i, c, fits) in enumerate(pending):
+        cut = -best[0] if pricer.prune and len(best) >= keep else None
+        if cut is not None and bound > cut:
+            result.pruned += len(pending) - k
             break
         try:
             sched = pricer.schedule(c)
         except ScheduleConfigError as e:
             result.infeasible.append(Evaluated(c, reason=str(e)))
             continue
-        ev = _first_fit(pricer, c, sched, result.infeasible, fixed)
+        # one that surely fits as it is is estimated once (no recomputing or offloaded variant, which, estimated on
+        # its lowered schedule, could be faster), so past the cut it is never in the top ``keep``
+        ev = _first_fit(pricer, c, sched, result.infeasible, fixed, memory=not fits)
+        if fits and cut is not None and ev.reason is None and ev.step_s > cut:  # type: ignore[operator]
+            result.pruned += 1
+            continue
         if ev.reason is not None:
             result.infeasible.append(ev)
             continue
@@ -278,12 +197,38 @@ def _estimate(pricer: _Pricer, pending: Sequence[tuple[float, int, Candidate]], 
     return order
 
 
-def _refine(pricer: _Pricer, result: PlanResult, order: Mapping[Candidate, tuple[int, int]], refine: int) -> None:
-    """The ``refine`` fastest estimates again with their partition searched on the lowered schedule; ranks."""
+def _price_deferred(pricer: _Pricer, result: PlanResult, order: Mapping[Candidate, tuple[int, int]], keep: int,
+                    refine: int) -> None:
+    """The first estimates left without memory (``peak_memory`` None) priced where they show: after the ``refine``
+    fastest (which :func:`_refine` prices again) up to the ``keep``-th; those past it are pruned (never in the
+    top: the refined ones move, the others keep their order)."""
+    result.ranked.sort(key=_rank(order))
+    kept = []
+    for pos, e in enumerate(result.ranked):
+        if e.peak_memory is None and pos >= keep:
+            result.pruned += 1
+            continue
+        if e.peak_memory is None and pos >= refine:
+            e = pricer.evaluate(e.candidate, pricer.schedule(e.candidate), rounds=0, exact=False)
+            if e.reason is not None:
+                result.infeasible.append(e)
+                continue
+        kept.append(e)
+    result.ranked = kept
+
+
+def _rank(order: Mapping[Candidate, tuple[int, int]]) -> Any:
+    """The ranking key: the step, then the place in the enumeration."""
 
     def rank(e: Evaluated) -> tuple[float, tuple[int, int]]:
         return e.step_s, order[e.candidate]  # type: ignore[return-value]
 
+    return rank
+
+
+def _refine(pricer: _Pricer, result: PlanResult, order: Mapping[Candidate, tuple[int, int]], refine: int) -> None:
+    """The ``refine`` fastest estimates again with their partition searched on the lowered schedule; ranks."""
+    rank = _rank(order)
     result.ranked.sort(key=rank)
     head = [pricer.evaluate(e.candidate, pricer.schedule(e.candidate), rounds=4) for e in result.ranked[:refine]]
     result.ranked[:len(head)] = [h for h in head if h.reason is None]
@@ -297,16 +242,17 @@ def _matches(c: Candidate, fixed: Mapping[str, Any], skip: tuple[str, ...]) -> b
     return all(flags[k] == v for k, v in fixed.items() if k not in skip and k in flags)
 
 
-def _first_fit(pricer: _Pricer, c: Candidate, sched: Schedule, tried: list[Evaluated], fixed: Mapping[str, Any]
-               ) -> Evaluated:
+def _first_fit(pricer: _Pricer, c: Candidate, sched: Schedule, tried: list[Evaluated], fixed: Mapping[str, Any],
+               memory: bool = True) -> Evaluated:
     """``c`` estimated as it is; if it does not fit, recomputing, then with ever more of its state in host memory
     (offload); the configurations that did not fit go to ``tried``. Returns the first that fits, else the last
-    tried (with its reason)."""
-    ev = pricer.evaluate(c, sched, rounds=0, exact=False)
+    tried (with its reason). ``memory`` False: a candidate that surely fits, estimated without its memory."""
+    ev = pricer.evaluate(c, sched, rounds=0, exact=False, memory=memory)
     if ev.reason is not None and "memory" in ev.reason and not c.recompute:
         tried.append(ev)
         ev = pricer.evaluate(dataclasses.replace(c, recompute=True), sched, rounds=0, exact=False)
-    for off in _offloads(c, max(1, len(pricer.profile.layers) // c.parts), fixed):
+    offloads = [] if pricer.owned is not None else _offloads(c, max(1, len(pricer.profile.layers) // c.parts), fixed)
+    for off in offloads:  # sharded: no offload (an offloaded stage's optimizer state is not sharded)
         if ev.reason is None or "memory" not in ev.reason:
             break
         tried.append(ev)
@@ -339,6 +285,7 @@ class _Pricer:
     optimizer: str
     exchange: bool
     prune: bool
+    owned: Owned | None = None  # --shard-optimizer: each worker's owned parameter bytes per stage
     built: dict[tuple[Any, ...], Schedule] = field(default_factory=dict)
     priced: dict[tuple[Any, ...], list[tuple[Any, PartitionResult]]] = field(default_factory=dict)
 
@@ -351,32 +298,46 @@ class _Pricer:
                                     data_parallel=c.data_parallel, split_backward=c.split_backward)
         return self.built[key]
 
-    def partition(self, c: Candidate, sched: Schedule, rounds: int, exact: bool) -> PartitionResult:
-        """:func:`plan_partition` of ``c`` on ``sched``; once per content of the schedule with ``prune``."""
+    def partition(self, c: Candidate, sched: Schedule, rounds: int, exact: bool, memory: bool = True
+                  ) -> PartitionResult:
+        """:func:`plan_partition` of ``c`` on ``sched``; once per content of the schedule with ``prune``
+        (``memory`` False: without the memory)."""
         scale = sched.microbatch_scale
         binary = scale.numerator & (scale.numerator - 1) == 0 and scale.denominator & (scale.denominator - 1) == 0
         key = (tuple(sched.placement.items()), sched.data_parallel, sched.microbatches, None if binary else scale,
                tuple(map(len, sched.actions)), c.unit, c.recompute, c.offload, rounds, exact)
         same = self.priced.setdefault(key, []) if self.prune else []
-        for actions, part in same:
+        for k, (actions, part) in enumerate(same):
             if actions == sched.actions:  # rows shared by builds of one order compare by identity
+                if memory and not part.memory:  # estimated without its memory: priced now, the step kept
+                    part = with_memory(part, self.profile, sched, c.unit, c.recompute, self.optimizer, self.exchange,
+                                       c.offload, self.owned)
+                    same[k] = (actions, part)
                 return part
         part = plan_partition(self.profile, sched, c.unit, c.recompute, self.optimizer, self.memory_limit,
-                              self.exchange, rounds=rounds, exact=exact, offload=c.offload)
+                              self.exchange, rounds=rounds, exact=exact, offload=c.offload, owned=self.owned,
+                              memory=memory)
         same.append((sched.actions, part))
         return part
 
-    def evaluate(self, c: Candidate, sched: Schedule, rounds: int = 8, exact: bool = True) -> Evaluated:
-        """``c`` priced on ``sched``, or why it does not fit."""
-        part = self.partition(c, sched, rounds, exact)
+    def evaluate(self, c: Candidate, sched: Schedule, rounds: int = 8, exact: bool = True,
+                 memory: bool = True) -> Evaluated:
+        """``c`` priced on ``sched``, or why it does not fit (or, sharded, cannot be sharded); ``memory`` False (a
+        candidate that surely fits): its ``peak_memory`` None, not priced."""
+        try:
+            part = self.partition(c, sched, rounds, exact, memory)
+        except ValueError as e:  # the optimizer state cannot be sharded so (chimera.compile.shard)
+            if self.owned is None:
+                raise
+            return Evaluated(c, reason=str(e))
         peak, limit = part.peak_memory, self.memory_limit
         if limit is not None and peak > limit:
             return Evaluated(c, peak_memory=peak, partition=part.sizes,
                              reason=f"needs {peak / 2**30:.2f} GiB on a worker, more than the {limit / 2**30:.2f} "
                                     "GiB memory limit")
         samples = c.micro_batch_size * c.micro_batches * c.data_parallel
-        return Evaluated(c, part.step_s, samples / part.step_s if part.step_s else None, part.bubble, peak,
-                         part.sizes, exact=exact)
+        return Evaluated(c, part.step_s, samples / part.step_s if part.step_s else None, part.bubble,
+                         peak if memory else None, part.sizes, exact=exact)
 
 
 def _per_stage(pricer: _Pricer, ev: Evaluated, sched: Schedule) -> list[Evaluated]:

@@ -46,6 +46,7 @@ class _Worker:
             self.groups.setdefault((a.kind, a.pipe, a.stage), deque()).append((i, a))
         # per group, [its key, its wiring once known]
         self.slots: dict[tuple[Kind, str, int], list[Any]] = {key: [key, None] for key in self.groups}
+        self.wires: dict[tuple[Kind, str, int], _Wiring] = {}  # in order: per group, its wiring
         # each group's next action, in the preferred order (places are unique: the action and slot never compare),
         # those of input-gradient backwards apart: one that can start goes before any forward
         heads = sorted((q[0][0], q[0][1], self.slots[key]) for key, q in self.groups.items())
@@ -203,12 +204,9 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool
     input-gradient backwards, else of its next forwards (only while its micro-batches stay within its limits),
     else its oldest pending W. ``in_order``: only the preferred order's next main action may start."""
     if in_order:
-        rows = [[(w.pos, a, w.slots.setdefault((a.kind, a.pipe, a.stage), [None, None]))
-                 for a in w.seq[w.pos:w.pos + 1]]]
-    else:
-        rows = [w.inputs, w.others]
+        return _pick_next(w, me, t, run)
     cap, defer, channels = w.cap, w.defer, run.channels
-    for heads in rows:
+    for heads in (w.inputs, w.others):
         for at in range(len(heads)):
             _, a, slot = heads[at]
             if a.kind is not _I and ((cap is not None and w.live + a.count > cap) or (
@@ -219,18 +217,36 @@ def _pick(w: _Worker, me: int, t: Any, run: _Run, in_order: bool
                 wire = slot[1] = run.wiring(a, me)
             if not _ready(a, wire, channels, t, run):
                 continue
-            if in_order:
-                w.pos += 1
-            else:
-                w.take(heads, at)
-            if a.kind is Kind.F:
-                w.live += a.count
-                w.held += a.count
-            else:
-                w.live -= a.count
-                w.pending_w.append((Action(_W, a.pipe, a.stage, a.microbatch, a.count), wire[5]))
-            return a, wire[3], wire
+            w.take(heads, at)
+            return _started(w, a, wire)
     return _run_w(w) if w.pending_w else None  # its I has finished: the worker was busy with it until now
+
+
+def _pick_next(w: _Worker, me: int, t: Any, run: _Run) -> tuple[Action, dict[int, Any], _Wiring | None] | None:
+    """:func:`_pick` in order: the preferred order's next main action if it can start, else the oldest pending W."""
+    if w.pos < len(w.seq):
+        a = w.seq[w.pos]
+        if a.kind is _I or ((w.cap is None or w.live + a.count <= w.cap)
+                            and (w.defer is None or w.held + a.count <= w.defer)):
+            key = (a.kind, a.pipe, a.stage)
+            wire = w.wires.get(key)
+            if wire is None:
+                wire = w.wires[key] = run.wiring(a, me)
+            if _ready(a, wire, run.channels, t, run):
+                w.pos += 1
+                return _started(w, a, wire)
+    return _run_w(w) if w.pending_w else None
+
+
+def _started(w: _Worker, a: Action, wire: _Wiring) -> tuple[Action, dict[int, Any], _Wiring]:
+    """Main action ``a`` taken by ``w``: its micro-batches counted, an I's W pending."""
+    if a.kind is Kind.F:
+        w.live += a.count
+        w.held += a.count
+    else:
+        w.live -= a.count
+        w.pending_w.append((Action(_W, a.pipe, a.stage, a.microbatch, a.count), wire[5]))
+    return a, wire[3], wire
 
 
 def _ready(a: Action, wire: _Wiring, channels: dict[tuple[int, int, str], deque[Any]], t: Any, run: _Run) -> bool:

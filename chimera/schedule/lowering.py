@@ -41,25 +41,46 @@ def add_p2p(schedule: Schedule) -> Schedule:
     rows = []
     for w, row in enumerate(schedule.actions):
         out: list[Action] = []
+        around: dict[tuple[Kind, str, int], tuple[tuple[Kind, ...], tuple[Kind, ...]] | None] = {}
         for a in row:
-            spec = SPECS[a.kind]
-            if spec.role is not Role.COMPUTE:
+            key = (a.kind, a.pipe, a.stage)
+            if key not in around:  # per kind, pipe and stage on this worker: the receives before, the sends after
+                around[key] = _transfers(a, w, place, schedule.stages)
+            kinds = around[key]
+            if kinds is None:
                 out.append(a)
                 continue
-            for use in spec.consumes:
-                src = neighbour(a.stage, use.offset, schedule.stages)
-                if use.res in TRANSFER and src is not None and place[(a.pipe, src)] != w:
-                    out.append(Action(TRANSFER[use.res][1], a.pipe, a.stage, a.microbatch, a.count))
+            recvs, sends = kinds
+            for k in recvs:
+                out.append(Action(k, a.pipe, a.stage, a.microbatch, a.count))
             out.append(a)
-            for res in spec.produces:
-                if res not in TRANSFER:
-                    continue
-                send = TRANSFER[res][0]
-                dst = neighbour(a.stage, SPECS[send].peer, schedule.stages)
-                if dst is not None and place[(a.pipe, dst)] != w:
-                    out.append(Action(send, a.pipe, a.stage, a.microbatch, a.count))
+            for k in sends:
+                out.append(Action(k, a.pipe, a.stage, a.microbatch, a.count))
         rows.append(out)
     return _replace(schedule, actions=in_channel_order(rows, place), lowered=True)
+
+
+def _transfers(a: Action, w: int, place: Mapping[tuple[str, int], int], stages: int
+               ) -> tuple[tuple[Kind, ...], tuple[Kind, ...]] | None:
+    """The receive kinds that go right before compute action ``a`` on worker ``w`` and the send kinds right after
+    it (from the kinds table); None for an action that is not compute."""
+    spec = SPECS[a.kind]
+    if spec.role is not Role.COMPUTE:
+        return None
+    recvs = []
+    for use in spec.consumes:
+        src = neighbour(a.stage, use.offset, stages)
+        if use.res in TRANSFER and src is not None and place[(a.pipe, src)] != w:
+            recvs.append(TRANSFER[use.res][1])
+    sends = []
+    for res in spec.produces:
+        if res not in TRANSFER:
+            continue
+        send = TRANSFER[res][0]
+        dst = neighbour(a.stage, SPECS[send].peer, stages)
+        if dst is not None and place[(a.pipe, dst)] != w:
+            sends.append(send)
+    return tuple(recvs), tuple(sends)
 
 
 def _p2p() -> dict[Kind, tuple[bool, int, Res | None]]:
@@ -132,11 +153,12 @@ def _reorder(row: list[Action], pos: list[tuple[_Channel, int | None] | None]) -
 def add_grad_sync(schedule: Schedule) -> Schedule:
     """Start each stage replica's gradient sum after the last action making its weight gradients; wait for all
     at the end."""
+    wgrad = {k for k, spec in SPECS.items() if Res.WGRAD in spec.produces}
     rows = []
     for row in schedule.actions:
         last_b: dict[tuple[str, int], int] = {}
         for i, a in enumerate(row):
-            if Res.WGRAD in SPECS[a.kind].produces:
+            if a.kind in wgrad:
                 last_b[(a.pipe, a.stage)] = i
         starts: dict[int, list[Action]] = {}
         waits: list[Action] = []
@@ -149,10 +171,12 @@ def add_grad_sync(schedule: Schedule) -> Schedule:
             starts.setdefault(j, []).append(Action(Kind.ALLREDUCE_START, p, s))
             waits.append(Action(Kind.ALLREDUCE_WAIT, p, s))
         out: list[Action] = []
-        for i, a in enumerate(row):
-            out.extend(starts.get(i, []))
-            out.append(a)
-        out.extend(starts.get(len(row), []))
+        done = 0
+        for i in sorted(starts):  # the row in pieces, each start before the action at its place
+            out += row[done:i]
+            out += starts[i]
+            done = i
+        out += row[done:]
         out.extend(sorted(waits, key=lambda a: (a.stage, a.pipe)))
         rows.append(out)
     return _replace(schedule, actions=rows, lowered=True)

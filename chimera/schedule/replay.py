@@ -74,7 +74,7 @@ class Replay:
         self.messages: list[Msg] = b.messages
         self.durations: list[Action] = b.durations
         self.synced = sorted(b.synced)  # stages whose allreduce some action waits for
-        self._stuck = {w: (b.pc[w], b.blocked.get(w)) for w in range(len(self.actions))
+        self._stuck = {w: (b.pc[w], _blocked_key(b.blocked.get(w))) for w in range(len(self.actions))
                        if b.pc[w] < len(self.actions[w])}
 
     @cached_property
@@ -138,6 +138,11 @@ class _Track:
 
 
 Deps = Sequence[tuple[int, int]]
+
+
+def _blocked_key(blocked: tuple[_Track, Any] | None) -> Key | None:
+    """What a stuck worker waits for, as (its track's key..., micro-batch)."""
+    return None if blocked is None else (*blocked[0].key, blocked[1])
 _RULED = (Role.COMPUTE, Role.SEND, Role.RECV, Role.SYNC_START, Role.SYNC_WAIT, Role.UPDATE, Role.COPY, Role.PREFETCH)
 
 
@@ -160,7 +165,7 @@ class _Build:
         self.pc = [0] * nw
         self.last = [self.bounds[-1]] * nw  # flat index of each worker's last action run (none: the sentinel)
         self.tracks: dict[Key, _Track] = {}
-        self.blocked: dict[int, Key] = {}
+        self.blocked: dict[int, tuple[_Track, Any]] = {}  # worker -> the track and micro-batch it waits for
         self.joins: dict[tuple[int, int], list[int]] = {}  # (stage, round) -> flat indices of its starts
         self.rounds: dict[tuple[Any, ...], int] = {}  # (role, worker, pipe, stage) -> sums started / awaited so far
         self.after = {k: tuple(v) for k, v in after.items()} if after else {}
@@ -262,7 +267,7 @@ class _Build:
 
     def _block(self, w: int, track: _Track, m: Any) -> None:
         track.waiting.setdefault(m, []).append(w)
-        self.blocked[w] = (*track.key, m)
+        self.blocked[w] = (track, m)  # the key only if the worker stays stuck (Replay._stuck)
 
     def _duration(self, a: Action) -> int:
         k = (a.kind, a.stage, a.count)
@@ -280,12 +285,11 @@ class _Build:
         return slot
 
     def _compute(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
-        key = (a.kind, a.pipe, a.stage, a.count, w)
-        template = self.templates.get(key)
-        if template is None:
-            template = self.templates[key] = self._compute_template(w, a)
-        needs, makes, slot = template
         first, count = a.microbatch, a.count
+        template = self.templates.get((a.kind, a.pipe, a.stage, count, w))
+        if template is None:
+            template = self.templates[(a.kind, a.pipe, a.stage, count, w)] = self._compute_template(w, a)
+        needs, makes, slot = template
         deps = []
         if count == 1:
             for track, delay in needs:
@@ -307,7 +311,12 @@ class _Build:
         self.compute[w].append(i)
         for track in makes:  # made: wake whoever waits for it (_finish, inline)
             made, waiting = track.made, track.waiting
-            for m in range(first, first + count) if count > 1 else (first,):
+            if count == 1:
+                made[first] = i
+                if waiting and first in waiting:
+                    self.stack.extend(waiting.pop(first))
+                continue
+            for m in range(first, first + count):
                 made[m] = i
                 if waiting and m in waiting:
                     self.stack.extend(waiting.pop(m))
@@ -326,24 +335,29 @@ class _Build:
         makes = tuple(self._track(res, a.pipe, a.stage) for res in self.made[a.kind])
         return tuple(needs), makes, self._duration(a)
 
-    def _message_template(self, a: Action) -> tuple[_Track, int]:
-        template = self.templates.get((a.kind, a.pipe, a.stage))
+    def _message_template(self, a: Action) -> tuple[_Track, int, int]:
+        """A send's or receive's message track and delay slot (per kind, pipe and stage) and duration slot."""
+        key = (a.kind, a.pipe, a.stage, a.count)
+        template = self.templates.get(key)
         if template is None:
-            key, _ = message(a.kind, a.pipe, a.stage, a.microbatch)
-            template = self.templates[(a.kind, a.pipe, a.stage)] = (self._track(_MSG, *key[:3]), self._message(key))
+            msg, _ = message(a.kind, a.pipe, a.stage, a.microbatch)
+            template = self.templates[key] = (self._track(_MSG, *msg[:3]), self._message(msg), self._duration(a))
         return template
 
     def _send(self, w: int, i: int, a: Action) -> tuple[Deps, int]:  # leaves after its busy time, arrives p2p() later
-        track, delay = self._message_template(a)
-        self._finish(track, a.microbatch, (i, delay))
-        return (), self._duration(a)
+        track, delay, slot = self.templates.get((a.kind, a.pipe, a.stage, a.count)) or self._message_template(a)
+        m = a.microbatch
+        track.made[m] = (i, delay)  # _finish, inline
+        if track.waiting and m in track.waiting:
+            self.stack.extend(track.waiting.pop(m))
+        return (), slot
 
     def _recv(self, w: int, i: int, a: Action) -> tuple[Deps, int] | None:
-        track, _ = self._message_template(a)
+        track, _, slot = self.templates.get((a.kind, a.pipe, a.stage, a.count)) or self._message_template(a)
         sent = track.made.get(a.microbatch)
         if sent is None:
             return self._block(w, track, a.microbatch)
-        return (sent,), self._duration(a)
+        return (sent,), slot
 
     def _round(self, role: Role, w: int, a: Action) -> int:
         return self.rounds.get((role, w, a.pipe, a.stage), 0)

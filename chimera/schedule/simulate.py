@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from functools import cached_property
 from math import lcm
+from operator import sub
 from typing import Any
 
 from chimera.schedule.ir import Action, Schedule
@@ -289,7 +290,8 @@ class Simulator:
 
     def _result(self, starts: list[Num], ends: list[Num], unit: int | None) -> SimResult:
         p = self._plan
-        busy = [sum([ends[i] - starts[i] for i in ids]) for ids in p.compute]
+        # each worker's compute time, summed in its order (map: the same terms as a list of them, no list)
+        busy = [sum(map(sub, map(ends.__getitem__, ids), map(starts.__getitem__, ids))) for ids in p.compute]
         makespan = max(ends) - min(starts) if ends else 0
         total, nw = sum(busy), len(busy)
         if not makespan:
