@@ -10,11 +10,11 @@ chimera's generator of the same order): peak activations plus shares held x weig
 
 Budgets per workload: what torch.pp's 1F1B needs, what its ZBVZeroBubble needs, and unlimited. At each budget
 ``auto`` is chimera's schedule search (``chimera.schedule.best.best``: every registered candidate simulated with
-the delay costs, the fastest that fits; without Chimera's halving mode, whose half-size micro-batches the delay
-model's fixed sleeps would not make shorter) and runs as the schedule it picks; the reference is the fastest
-*measured* torch.pp row that fits the same budget. Timing as in ``bench/vs_torch_pipelining.py`` (same runners,
-the second of two back-to-back steps, rows rotated per repetition; both sides one process per rank on one
-machine, gloo, the same allocator setting and data).
+the delay costs, the fastest that fits; Chimera's halving mode included: the workloads' delay model sleeps half as
+long on half a micro-batch) and runs as the schedule it picks; the reference is the fastest *measured* torch.pp row
+that fits the same budget. Timing as in ``bench/vs_torch_pipelining.py`` (same runners, the mean of 5 consecutive
+steps after a first one, rows rotated per repetition; both sides one process per rank on one machine, gloo, the
+same allocator setting and data).
 
 Usage: python bench/budget_rows.py [--quick] [--reps 3] [--warmup 1] [--workloads delay-d4-n4,...]
        [--weight-units 1.39] [--results bench/RESULTS.md | -]
@@ -69,7 +69,7 @@ def torch_need(w: Workload, name: str, order: str | None, units: float) -> float
 def auto_choice(w: Workload, budget: float | None, units: float) -> Choice:
     """``auto``'s pick for the delay model within ``budget`` (None: unlimited)."""
     assert w.tf is not None
-    return best(w.stages, w.micro_batches, Costs(fwd=w.tf, bwd=w.tf, wgrad=w.tf), budget, halving=False,
+    return best(w.stages, w.micro_batches, Costs(fwd=w.tf, bwd=w.tf, wgrad=w.tf), budget, halving=True,
                 layers=2 * w.stages + 2, weight_memory=units)[0]
 
 
