@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -92,26 +93,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_script(*args, timeout=120):
+def _run_script(*args: str) -> tuple[int, str, float]:
+    """The default script refused at connecting: (exit code, stderr, seconds it took)."""
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "scripts/prof_steps_ray.py", "--model", "bert-tiny", "--stages", "2",
                         "--micro-batches", "2", "--steps", "1", "--corpus", "synthetic", "--no-progress", *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=timeout)
-    return p, time.monotonic() - t0
+                       capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stderr, time.monotonic() - t0
 
 
-def test_wrong_address_fails_fast():
-    p, took = _run_script("--address", f"127.0.0.1:{_free_port()}")
-    assert p.returncode == 1 and "cannot reach the Ray cluster at --address 127.0.0.1:" in p.stderr
+@pytest.fixture(scope="module")
+def bad_addresses() -> dict[str, tuple[int, str, float]]:
+    """Both refused runs of the script, started at once (most of each is Python's start-up, which overlaps on two
+    cores): a port nobody listens on, and a socket that accepts TCP connections but never speaks Ray."""
+    with socket.socket() as s, ThreadPoolExecutor(2) as pool:  # s accepts TCP connections, never speaks Ray
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        wrong = pool.submit(_run_script, "--address", f"127.0.0.1:{_free_port()}")
+        silent = pool.submit(_run_script, "--address", f"127.0.0.1:{s.getsockname()[1]}", "--connect-timeout", "5")
+        return {"wrong": wrong.result(), "silent": silent.result()}
+
+
+def test_wrong_address_fails_fast(bad_addresses):
+    code, err, took = bad_addresses["wrong"]
+    assert code == 1 and "cannot reach the Ray cluster at --address 127.0.0.1:" in err
     assert took < 60
     with pytest.raises(RunError, match="is not 'auto' or host:port"):  # the same check, without a second process
         _check_reachable("not-an-address", 1.0)
 
 
-def test_unresponsive_cluster_fails_within_the_connect_timeout():
-    with socket.socket() as s:  # accepts TCP connections, never speaks Ray
-        s.bind(("127.0.0.1", 0))
-        s.listen(8)
-        p, took = _run_script("--address", f"127.0.0.1:{s.getsockname()[1]}", "--connect-timeout", "5")
-    assert p.returncode == 1 and "cannot connect to the Ray cluster" in p.stderr and "no answer within 5 s" in p.stderr
+def test_unresponsive_cluster_fails_within_the_connect_timeout(bad_addresses):
+    code, err, took = bad_addresses["silent"]
+    assert code == 1 and "cannot connect to the Ray cluster" in err and "no answer within 5 s" in err
     assert took < 60
