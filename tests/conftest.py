@@ -32,6 +32,19 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
+def local_script_run(tmp_path_factory):
+    """One local run of the default script with ``--nsys`` under a stand-in nsys, sampled all along
+    (:func:`tests.procs.local_run`): tests/test_loopback.py checks what its processes listen on,
+    tests/test_timeline.py that its workers started under Nsight. A local Ray and its workers are most of either
+    test's time, so they share one run."""
+    from pathlib import Path
+
+    from tests.procs import local_run
+
+    return local_run(tmp_path_factory.mktemp("local-run"), Path(__file__).resolve().parents[1])
+
+
+@pytest.fixture(scope="session")
 def ray_session(ray_cluster):
     """The session's Ray (the two-node cluster), for tests that only need a running Ray."""
     import ray

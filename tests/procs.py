@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
+import threading
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -87,3 +92,82 @@ def alive(procs: dict[int, psutil.Process]) -> list[str]:
         except psutil.Error:
             continue
     return left
+
+
+class Sampler(threading.Thread):
+    """Polls the listeners and titles of a run's processes until stopped."""
+
+    def __init__(self, root: int, marks: tuple[str, ...], period_s: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.root, self.marks, self.period_s = root, marks, period_s
+        self.listening: dict[tuple[str, int], str] = {}
+        self.titles: set[str] = set()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            procs = family([self.root], self.marks)
+            for p in procs.values():
+                try:
+                    self.titles.add(" ".join(p.cmdline()).strip()[:80])
+                except psutil.Error:
+                    continue
+            for key, who in listeners(procs).items():
+                self.listening.setdefault(key, who)
+            self.done.wait(self.period_s)
+
+
+#: a stand-in for Nsight Systems' ``nsys``: logs its arguments, and ``nsys profile [opts] CMD`` runs CMD
+NSYS_STUB = """#!/usr/bin/env bash
+echo "$@" >> "$NSYS_STUB_LOG"
+[ "$1" = "profile" ] || exit 0
+shift
+while [ $# -gt 0 ]; do case "$1" in --*) shift;; -*) shift 2;; *) break;; esac; done
+exec "$@"
+"""
+
+
+@dataclass
+class LocalRun:
+    """What :func:`local_run` saw: the script's exit code and output, its processes' titles and listeners, the
+    run's directory and the stand-in nsys's log (one line per call)."""
+
+    returncode: int
+    output: str
+    run_dir: Path
+    nsys_calls: list[str]
+    titles: set[str] = field(default_factory=set)
+    listening: dict[tuple[str, int], str] = field(default_factory=dict)
+
+
+def local_run(tmp: Path, root: Path) -> LocalRun:
+    """The default script as a user runs it locally (a Ray of its own, bert-tiny on two workers, the partition
+    planned from a brief profile, 16 steps) with ``--nsys``, under the stand-in ``nsys`` of :data:`NSYS_STUB`, its
+    processes (the run's tree, its Ray temp dir, a tag in their environment) sampled all along."""
+    stub_dir = tmp / "bin"
+    stub_dir.mkdir()
+    (stub_dir / "nsys").write_text(NSYS_STUB)
+    (stub_dir / "nsys").chmod(0o755)
+    ray_tmp = tempfile.mkdtemp(prefix="chl-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, TAG: tag, "NSYS_STUB_LOG": str(tmp / "nsys.log"),
+           "PATH": f"{stub_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    cmd = [sys.executable, "scripts/prof_steps_ray.py", "--model", "bert-tiny", "--corpus", "synthetic", "--stages",
+           "2", "--micro-batches", "2", "--seq-len", "16", "--steps", "16", "--nsys", "--no-progress",
+           "--out", str(tmp / "metrics.jsonl")]
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sampler = Sampler(proc.pid, (ray_tmp, f"{TAG}={tag}"))
+    sampler.start()
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        sampler.done.set()
+        sampler.join(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    log = tmp / "nsys.log"
+    return LocalRun(proc.returncode, out, tmp, log.read_text().splitlines() if log.exists() else [], sampler.titles,
+                    sampler.listening)

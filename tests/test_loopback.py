@@ -12,70 +12,26 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from ray_launch.cluster import worker_env
 from ray_launch.config import LaunchConfig
-from tests.procs import TAG, alive, family, head_env, listeners, not_loopback
+from tests.procs import TAG, Sampler, alive, family, head_env, listeners, not_loopback
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Sampler(threading.Thread):
-    """Polls the listeners and titles of a run's processes until stopped."""
-
-    def __init__(self, root: int, marks: tuple[str, ...], period_s: float = 0.2) -> None:
-        super().__init__(daemon=True)
-        self.root, self.marks, self.period_s = root, marks, period_s
-        self.listening: dict[tuple[str, int], str] = {}
-        self.titles: set[str] = set()
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            procs = family([self.root], self.marks)
-            for p in procs.values():
-                try:
-                    self.titles.add(" ".join(p.cmdline()).strip()[:80])
-                except psutil.Error:
-                    continue
-            for key, who in listeners(procs).items():
-                self.listening.setdefault(key, who)
-            self.done.wait(self.period_s)
-
-
-def test_local_run_listens_on_loopback_only(tmp_path):
-    ray_tmp = tempfile.mkdtemp(prefix="chl-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    tag = uuid.uuid4().hex
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, TAG: tag}
-    env.pop("GLOO_SOCKET_IFNAME", None)
-    cmd = [sys.executable, "scripts/prof_steps_ray.py", "--model", "bert-tiny", "--corpus", "synthetic", "--stages",
-           "2", "--micro-batches", "2", "--seq-len", "16", "--steps", "16", "--no-progress",
-           "--out", str(tmp_path / "metrics.jsonl")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    sampler = Sampler(proc.pid, (ray_tmp, f"{TAG}={tag}"))
-    sampler.start()
-    try:
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        sampler.done.set()
-        sampler.join(timeout=30)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert proc.returncode == 0, out[-3000:]
-    assert any("WorkerActor.step" in t for t in sampler.titles), f"no sample during the steps: {sampler.titles}"
-    assert any("WorkerActor" in who for who in sampler.listening.values())  # gloo's pairs were seen
-    bad = not_loopback(sampler.listening)
+def test_local_run_listens_on_loopback_only(local_script_run):
+    run = local_script_run  # the default script, local (a Ray of its own), under a stand-in nsys (tests/procs.py)
+    assert run.returncode == 0, run.output[-3000:]
+    assert any("WorkerActor.step" in t for t in run.titles), f"no sample during the steps: {run.titles}"
+    assert any("WorkerActor" in who for who in run.listening.values())  # gloo's pairs were seen
+    bad = not_loopback(run.listening)
     assert not bad, "listening beyond loopback during a local run:\n" + "\n".join(bad)
 
 

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,19 +39,39 @@ def _nodes_of(job) -> list[str]:
     return [info["node_id"] for info in job.infos]
 
 
+def _placed(policy: str, data_parallel: int, pre_cmd: tuple[str, ...] = ()) -> list[str]:
+    """The node of every worker of a one-step DELAY job on two stages placed by ``policy``."""
+    import ray
+
+    wait_idle(ray)  # the free slots the policy reads are every slot of each node
+    cfg = DELAY.with_flags(stages=2, micro_batches=2, data_parallel=data_parallel)
+    with RayJob(compile_job(cfg), LaunchConfig(placement=policy, pre_cmd=pre_cmd), log=lambda m: None) as job:
+        job.step(0)
+        return _nodes_of(job)
+
+
+@pytest.fixture(scope="module")
+def stage_pairs_with_pre_cmd(ray_cluster, tmp_path_factory) -> tuple[list[str], list[str]]:
+    """One job serves two tests: placed by stage-pairs (W = 2), with a --pre-cmd that leaves a marker named after
+    the node it runs on. (The node of every worker, the node ids the markers name.)"""
+    marker = tmp_path_factory.mktemp("markers")
+    nodes = _placed("stage-pairs", 2, (f'touch "{marker}/$CHIMERA_NODE_ID.$$"',))
+    return nodes, sorted(p.name.split(".")[0] for p in marker.iterdir())
+
+
 @pytest.mark.parametrize("policy,data_parallel,expected", [
     ("pack", 3, ["node_a"] * 4 + ["node_b"] * 2),  # fills node_a's 4 slots, then spills
     ("stage-pairs", 2, ["node_a", "node_a", "node_b", "node_b"]),
 ])
-def test_placement_policies_put_workers_on_expected_nodes(ray_cluster, policy, data_parallel, expected):
+def test_placement_policies_put_workers_on_expected_nodes(ray_cluster, request, policy, data_parallel, expected):
     import ray
 
     ids = node_ids(ray)
-    cfg = DELAY.with_flags(stages=2, micro_batches=2, data_parallel=data_parallel)
-    wait_idle(ray)  # the free slots the policy reads are every slot of each node
-    with RayJob(compile_job(cfg), LaunchConfig(placement=policy), log=lambda m: None) as job:
-        job.step(0)
-        assert _nodes_of(job) == [ids[n] for n in expected]
+    if policy == "stage-pairs":  # the job test_pre_cmd_runs_once_per_node reads too
+        nodes, _ = request.getfixturevalue("stage_pairs_with_pre_cmd")
+    else:
+        nodes = _placed(policy, data_parallel)
+    assert nodes == [ids[n] for n in expected]
 
 
 def test_chimera_halving_across_two_nodes_spread_equals_sequential(ray_cluster):
@@ -74,16 +95,11 @@ def test_chimera_halving_across_two_nodes_spread_equals_sequential(ray_cluster):
                 assert (v - ref.params[k]).abs().max().item() <= 1e-5
 
 
-def test_pre_cmd_runs_once_per_node(ray_cluster, tmp_path):
+def test_pre_cmd_runs_once_per_node(ray_cluster, stage_pairs_with_pre_cmd):
     import ray
 
-    marker = tmp_path / "markers"
-    marker.mkdir()
-    cmd = f'touch "{marker}/$CHIMERA_NODE_ID.$$"'
-    with RayJob(compile_job(DELAY.with_flags(data_parallel=1)), LaunchConfig(pre_cmd=(cmd,)), log=lambda m: None) as job:
-        job.step(0)
-    files = sorted(p.name.split(".")[0] for p in marker.iterdir())
-    assert files == sorted(node_ids(ray).values())  # one marker per node, no node twice
+    _, markers = stage_pairs_with_pre_cmd
+    assert markers == sorted(node_ids(ray).values())  # one marker per node, no node twice
 
 
 def _free_port() -> int:
@@ -92,26 +108,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_script(*args, timeout=120):
+def _run_script(*args: str) -> tuple[int, str, float]:
+    """The default script refused at connecting: (exit code, stderr, seconds it took)."""
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "scripts/prof_steps_ray.py", "--model", "bert-tiny", "--stages", "2",
                         "--micro-batches", "2", "--steps", "1", "--corpus", "synthetic", "--no-progress", *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=timeout)
-    return p, time.monotonic() - t0
+                       capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stderr, time.monotonic() - t0
 
 
-def test_wrong_address_fails_fast():
-    p, took = _run_script("--address", f"127.0.0.1:{_free_port()}")
-    assert p.returncode == 1 and "cannot reach the Ray cluster at --address 127.0.0.1:" in p.stderr
+@pytest.fixture(scope="module")
+def bad_addresses() -> dict[str, tuple[int, str, float]]:
+    """Both refused runs of the script, started at once (most of each is Python's start-up, which overlaps on two
+    cores): a port nobody listens on, and a socket that accepts TCP connections but never speaks Ray."""
+    with socket.socket() as s, ThreadPoolExecutor(2) as pool:  # s accepts TCP connections, never speaks Ray
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        wrong = pool.submit(_run_script, "--address", f"127.0.0.1:{_free_port()}")
+        silent = pool.submit(_run_script, "--address", f"127.0.0.1:{s.getsockname()[1]}", "--connect-timeout", "5")
+        return {"wrong": wrong.result(), "silent": silent.result()}
+
+
+def test_wrong_address_fails_fast(bad_addresses):
+    code, err, took = bad_addresses["wrong"]
+    assert code == 1 and "cannot reach the Ray cluster at --address 127.0.0.1:" in err
     assert took < 60
     with pytest.raises(RunError, match="is not 'auto' or host:port"):  # the same check, without a second process
         _check_reachable("not-an-address", 1.0)
 
 
-def test_unresponsive_cluster_fails_within_the_connect_timeout():
-    with socket.socket() as s:  # accepts TCP connections, never speaks Ray
-        s.bind(("127.0.0.1", 0))
-        s.listen(8)
-        p, took = _run_script("--address", f"127.0.0.1:{s.getsockname()[1]}", "--connect-timeout", "5")
-    assert p.returncode == 1 and "cannot connect to the Ray cluster" in p.stderr and "no answer within 5 s" in p.stderr
+def test_unresponsive_cluster_fails_within_the_connect_timeout(bad_addresses):
+    code, err, took = bad_addresses["silent"]
+    assert code == 1 and "cannot connect to the Ray cluster" in err and "no answer within 5 s" in err
     assert took < 60

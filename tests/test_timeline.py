@@ -213,33 +213,13 @@ def test_plot_script_under_sh_replots_the_newest_without_name(profiled, tmp_path
     assert p.returncode == 2 and f"no *.events.json in {tmp_path}; profile a run with --profile" in p.stderr
 
 
-NSYS_STUB = """#!/usr/bin/env bash
-echo "$@" >> "$NSYS_STUB_LOG"
-[ "$1" = "profile" ] || exit 0
-shift
-while [ $# -gt 0 ]; do case "$1" in --*) shift;; -*) shift 2;; *) break;; esac; done
-exec "$@"
-"""
-
-
 @pytest.mark.slow
-def test_nsys_starts_actors_under_nsight_or_fails_fast(tmp_path, monkeypatch):
-    stub_dir = tmp_path / "bin"
-    stub_dir.mkdir()
-    stub = stub_dir / "nsys"
-    stub.write_text(NSYS_STUB)
-    stub.chmod(0o755)
-    log = tmp_path / "nsys.log"
-    env = {**os.environ, "PATH": f"{stub_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "NSYS_STUB_LOG": str(log)}
-    args = [sys.executable, "scripts/prof_steps_ray.py", "--model", "bert-tiny", "--stages", "2", "--micro-batches",
-            "2", "--seq-len", "16", "--corpus", "synthetic", "--steps", "1", "--partition", "uniform", "--nsys", "--no-progress", "--out", str(tmp_path / "m.jsonl")]
-    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    calls = log.read_text().splitlines()
-    workers = [c for c in calls if "default_worker.py" in c]
+def test_nsys_starts_actors_under_nsight_or_fails_fast(local_script_run, monkeypatch):
+    run = local_script_run  # the default script with --nsys, under a stand-in nsys (tests/procs.py)
+    assert run.returncode == 0, run.output[-3000:]
+    workers = [c for c in run.nsys_calls if "default_worker.py" in c]
     assert len(workers) >= 2 and all(c.startswith("profile") and "-t cuda,cudnn,cublas,nvtx" in c for c in workers)
-    assert all(str(tmp_path) in c for c in workers)  # the run's directory: next to its metrics
+    assert all(str(run.run_dir) in c for c in workers)  # the run's directory: next to its metrics
     # without nsys on PATH: refused by the job's constructor, before Ray starts (the CLI maps ConfigError to exit 2)
     from ray_launch.driver import RayJob
 
