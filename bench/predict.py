@@ -82,7 +82,7 @@ def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | 
         sched = build_schedule(schedule, w.stages, w.micro_batches)
     tf = w.tf * w.stages / sched.stages  # a schedule of 2·D stages runs D ranks' work in halves
     if calibration is not None and sched.lowered:
-        sched, costs = sched, calibration.costs(tf, sched.stages)
+        costs = calibration.costs(tf, sched.stages)
     else:
         sched, costs = sched.compute_only(), delay_costs(tf, sched.stages)
     if run == 1:

@@ -21,6 +21,7 @@ from chimera.schedule.generators import (
 from chimera.schedule.ir import DOWN, DOWN2, UP, UP2, Action, F, Kind, Schedule, ScheduleConfigError, _replace
 from chimera.schedule.registry import ScheduleSpec, register
 from chimera.schedule.simulate import Costs
+from chimera.schedule.steps import deferred
 
 
 def zb_h1(stages: int, microbatches: int, order_costs: Costs = EQUAL) -> Schedule:
@@ -190,9 +191,7 @@ def chimera_relisted(stages: int, microbatches: int, order_costs: Costs = EQUAL)
     (its jointly ordered steps are ``chimera --mode halving --split-backward +joint steps``).
     """
     base = chimera(stages, microbatches, "halving", split_backward=True, order_costs=order_costs)
-    main = [[a for a in row if a.kind is not Kind.W] for row in base.actions]
-    rows = list_schedule(base.stages, base.placement, main, costs=order_costs, fifo=False)
-    return _replace(base, actions=rows, name="chimera-relisted")
+    return _replace(deferred(base, 1, order_costs), name="chimera-relisted")  # one step of the joint order
 
 
 def _chimera4_placement(d: int) -> dict[tuple[str, int], int]:
