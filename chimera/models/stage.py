@@ -53,6 +53,11 @@ class StageModule(nn.Module):
         """Whether this stage holds the last layer (returns the loss)."""
         return self.indices[-1] == self.num_layers - 1
 
+    @property
+    def reads_data(self) -> bool:
+        """Whether the forward reads the micro-batch's data (the first stage its inputs, the last its labels)."""
+        return self.is_first or self.is_last
+
     def _device(self) -> torch.device:
         # the first parameter found once (a walk over the modules costs ~40 us an action); read on every call: an
         # offloaded stage's weights change device, the parameter stays

@@ -28,9 +28,10 @@ message and allreduce it sends (:meth:`Communicator.payload_sizes`) and the oper
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -237,9 +238,13 @@ class CommBatches:
 
     On gloo the receives of the next batch are posted together with the current one, one compute action
     early: gloo moves a message only once its receive is posted, so a receive posted at the last moment costs
-    a notify round trip on the critical path, and one posted early finds the data there. Per channel the
-    receives are still posted in schedule order, so messages match as validated. Not on NCCL, where an early
-    receive would block later sends on the same stream.
+    a notify round trip on the critical path, and one posted early finds the data there. Small receives go
+    further ahead: the batches after that one too, while their buffers total at most ``AHEAD_BYTES`` (at most
+    ``AHEAD_BATCHES`` batches), so that the peer finds their notifies waiting and writes each message from its own
+    thread at once (on CPU, a third less of gloo's thread time per message and no wake-up for each notify); large
+    receives never hold more than the next batch's buffers. Per channel the receives are still posted in schedule
+    order, so messages match as validated. Not on NCCL, where an early receive would block later sends on the same
+    stream.
     """
 
     def __init__(self, comm: Communicator, job: Job, worker: int, segments: Sequence[Sequence[Action]],
@@ -251,7 +256,6 @@ class CommBatches:
         self.device = device
         self.describe = describe
         comm_idx = [k for k, seg in enumerate(segments) if seg[0].kind.is_p2p]
-        self.next_comm = dict(zip(comm_idx, comm_idx[1:]))
         # every batch resolved once per job: its sends (action, message, peer, group) and receives (the same and
         # the buffers' shapes), so that a step looks nothing up
         self.sends: dict[int, list[tuple[Action, Msg, int, Any]]] = {}
@@ -260,8 +264,13 @@ class CommBatches:
             batch = segments[k]
             self.sends[k] = [(a, *self._peer(a)) for a in batch if a.kind.is_send]
             self.recvs[k] = [(a, *self._peer(a), self._shapes(a)) for a in batch if not a.kind.is_send]
+        # per batch, the batches whose receives are posted with it (on gloo): the next one, then small ones
+        self.ahead = _ahead(comm_idx, {k: _nbytes(self.recvs[k]) for k in comm_idx}) if comm.prefetch_recvs else {}
         self.prefetched: dict[int, list[tuple[Action, Msg, tuple[torch.Tensor, ...], list[Any]]]] = {}
         self.send_works: list[tuple[Any, Action, int, torch.Tensor]] = []
+        #: work for the wait: called with the batch index and the step's state after a batch is posted, before its
+        #: receives are waited for (the worker loads the next forward's data there)
+        self.while_waiting: Callable[[int, StepState], None] | None = None
 
     def _peer(self, a: Action) -> tuple[Msg, int, Any]:
         msg, stage = message(a.kind, a.pipe, a.stage, a.microbatch)
@@ -289,9 +298,9 @@ class CommBatches:
         recvs = self.prefetched.pop(k, None)
         if recvs is None:
             recvs = self._recv_ops(k, ops, owners)
-        ahead = self.next_comm.get(k) if self.comm.prefetch_recvs else None
-        if ahead is not None:
-            self.prefetched[ahead] = self._recv_ops(ahead, ops, owners)
+        for ahead in self.ahead.get(k, ()):
+            if ahead not in self.prefetched:  # in batch order: what an earlier batch posted is a prefix
+                self.prefetched[ahead] = self._recv_ops(ahead, ops, owners)
         if self.send_works:
             self._drop_finished_sends()
         step = st.step
@@ -300,6 +309,8 @@ class CommBatches:
                 self.send_works.append((w, a, step, op.tensor))
             else:
                 slot.append(w)  # type: ignore[union-attr]
+        if self.while_waiting is not None:
+            self.while_waiting(k, st)
         for a, msg, tensors, works in recvs:
             for w in works:
                 self.comm.wait(w, lambda a=a: self.describe(a, step))
@@ -339,3 +350,30 @@ class CommBatches:
         """Tensors the batches keep alive: sends in flight and receive buffers posted early."""
         return [x[3] for x in self.send_works] + [t for recvs in self.prefetched.values() for _, _, ts, _ in recvs
                                                   for t in ts]
+
+
+#: gloo: receives posted ahead beyond the next batch's, while their buffers total at most this (bytes) ...
+AHEAD_BYTES = 64 * 1024
+#: ... in at most this many batches ahead
+AHEAD_BATCHES = 8
+
+
+def _nbytes(recvs: Sequence[tuple[Any, ...]]) -> int:
+    """Bytes of the receive buffers of one batch (``CommBatches.recvs[k]``)."""
+    return sum(math.prod(shape) * dtype.itemsize for *_, shapes in recvs for shape, dtype in shapes)
+
+
+def _ahead(comm_idx: Sequence[int], nbytes: Mapping[int, int]) -> dict[int, list[int]]:
+    """Per communication batch, the batches after it whose receives are posted with it: always the next, then the
+    following ones while their buffers total at most ``AHEAD_BYTES``, at most ``AHEAD_BATCHES`` in all."""
+    out: dict[int, list[int]] = {}
+    for i, k in enumerate(comm_idx):
+        later = list(comm_idx[i + 1:i + 1 + AHEAD_BATCHES])
+        take, extra = later[:1], 0
+        for j in later[1:]:
+            extra += nbytes[j]
+            if extra > AHEAD_BYTES:
+                break
+            take.append(j)
+        out[k] = take
+    return out

@@ -68,7 +68,7 @@ class StageCompute:
         specs = self.job.stage_inputs(a.stage + 1) if not mod.is_last else []
         outs = []
         for x, mb in zip(xs, a.microbatches):
-            data = self._data(a.pipe, mb, st.step) if (mod.is_first or mod.is_last) else None
+            data = (st.data.pop((a.pipe, mb), None) or self._data(a.pipe, mb, st.step)) if mod.reads_data else None
             inputs, labels = data if data is not None else (None, None)
             rng = unit_seed(self.job.run.seed, st.step, self.schedule.global_microbatch(a.pipe, mb), self.dp_rank)
             if self.recompute and not mod.is_last:
@@ -96,6 +96,27 @@ class StageCompute:
         parts = split(got, a.count) if a.count > 1 else [got]
         specs = self.job.stage_inputs(a.stage)
         return [tuple(t.detach().requires_grad_(s.requires_grad) for t, s in zip(p, specs)) for p in parts]
+
+    def data_ahead(self, segments: Sequence[Sequence[Action]]) -> dict[int, list[tuple[str, int]]]:
+        """Per communication segment, the (pipe, micro-batch) units whose data the next forward after it reads (on a
+        first or last stage): what :meth:`load_ahead` loads while that segment waits for its receives."""
+        out: dict[int, list[tuple[str, int]]] = {}
+        upcoming: list[tuple[str, int]] = []
+        for k in range(len(segments) - 1, -1, -1):
+            a = segments[k][0]
+            if a.kind.is_p2p:
+                if upcoming:
+                    out[k] = upcoming
+            elif Res.STASH in a.kind.spec.produces and self.modules[(a.pipe, a.stage)].reads_data:  # a forward
+                upcoming = [(a.pipe, mb) for mb in a.microbatches]
+        return out
+
+    def load_ahead(self, units: Sequence[tuple[str, int]], st: StepState) -> None:
+        """Load ``units``' data into ``st.data`` now (the worker waits for a message), not in the forward that reads
+        it, which may be on the critical path; what a recomputed forward reads again is the same data."""
+        for pipe, mb in units:
+            if (pipe, mb) not in st.data:
+                st.data[(pipe, mb)] = self._data(pipe, mb, st.step)
 
     def _data(self, pipe: str, mb: int, step: int) -> tuple[Any, Any]:
         unit = self.schedule.global_microbatch(pipe, mb)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from chimera.microbatch import tensors
 from chimera.runtime.step_state import StepState
 
 CATEGORIES = ("params", "optimizer", "grads", "activations", "messages", "sync")
@@ -73,8 +74,10 @@ def _state_tensors(optimizer: torch.optim.Optimizer, of: Callable[[torch.Tensor]
 
 
 def _stash_tensors(st: StepState) -> list[torch.Tensor]:
-    """What the step holds for later actions, under every activation resource of the kinds table."""
-    return [t for held in st.held.values() for value in held.values() for t in value.tensors()]
+    """What the step holds for later actions, under every activation resource of the kinds table, and the data
+    loaded ahead of its forward."""
+    out = [t for held in st.held.values() for value in held.values() for t in value.tensors()]
+    return out + (tensors(list(st.data.values())) if st.data else [])
 
 
 def _bytes(ts: Iterable[torch.Tensor], seen: set[int]) -> int:

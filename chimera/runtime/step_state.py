@@ -6,6 +6,8 @@
   input-gradient backward I, :class:`Kept`); each held value lists its tensors for the memory ledger.
 * ``inbox[Msg]``: tensors that arrived for this worker (received, or handed over by a stage on the same worker).
 * ``outbox[Msg]``: tensors waiting for their send action.
+* ``data[(pipe, microbatch)]``: a micro-batch's (inputs, labels) loaded ahead of its forward, while the worker waited
+  for a message (:meth:`~chimera.runtime.compute.StageCompute.load_ahead`).
 
 :class:`~chimera.schedule.kinds.Msg` is the same key the schedule's send/receive actions carry, so what the
 forward of stage s produces is what the receive of stage s+1 delivers.
@@ -83,6 +85,7 @@ class StepState:
     held: dict[Res, dict[Slot, Any]] = field(default_factory=lambda: {res: {} for res in ACTIVATION_MEMORY})
     inbox: dict[Msg, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     outbox: dict[Msg, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    data: dict[tuple[str, int], tuple[Any, Any]] = field(default_factory=dict)  # (pipe, micro-batch) loaded ahead
     loss_sum: torch.Tensor | None = None
     loss_count: int = 0
     grad_norm: float = 0.0

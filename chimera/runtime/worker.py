@@ -111,6 +111,10 @@ class PipelineWorker:
                                     keep_saved=account, store=self.stages.host)
         segs = segments(sched.actions[self.worker])
         self.batches = CommBatches(self.comm, self.job, self.worker, segs, self.device, self._what)
+        ahead = self.compute.data_ahead(segs)
+        if ahead:  # the next forward's data loaded while a batch waits for its receives
+            load = self.compute.load_ahead
+            self.batches.while_waiting = lambda k, st: load(ahead[k], st) if k in ahead else None
         handlers = handlers_for(self, {a.kind for a in sched.actions[self.worker]})
         self.executor = Executor(segs, handlers, self.batches, self.name)
         self._seg_starts = [sum(len(x) for x in segs[:k]) for k in range(len(segs))]

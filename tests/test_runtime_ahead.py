@@ -1,0 +1,71 @@
+"""What a worker does ahead of time while it waits for a message: receives posted ahead (gloo) and the next forward's
+data loaded. Both move work off the step's critical path without changing what is computed (the parity tests run
+every schedule with them)."""
+
+from contextlib import nullcontext
+
+import torch
+
+from chimera.compile import compile_job
+from chimera.config import TrainConfig
+from chimera.models import build_stage
+from chimera.runtime.comm import AHEAD_BATCHES, AHEAD_BYTES, _ahead
+from chimera.runtime.compute import StageCompute
+from chimera.runtime.executor import segments
+from chimera.runtime.step_state import StepState
+
+
+def test_small_receives_go_several_batches_ahead_large_ones_one():
+    idx = list(range(0, 40, 2))  # communication batches at every other segment
+    small = _ahead(idx, {k: 128 for k in idx})
+    assert small[0] == idx[1:1 + AHEAD_BATCHES]
+    assert small[idx[-3]] == idx[-2:]  # near the end: what is left
+    assert small[idx[-1]] == []
+    large = _ahead(idx, {k: AHEAD_BYTES + 1 for k in idx})
+    assert all(v == [idx[i + 1]] for i, (k, v) in enumerate(large.items()) if k != idx[-1])  # the next batch, always
+    # the extra buffers (beyond the next batch's) total at most AHEAD_BYTES
+    mixed = _ahead(idx, {k: AHEAD_BYTES // 3 for k in idx})
+    assert all(len(v) == 4 for k, v in mixed.items() if k <= idx[-5])
+
+
+def _compute(worker: int) -> tuple[StageCompute, list, object]:
+    cfg = TrainConfig.from_flags(model="gpt2-tiny", schedule="1f1b", stages=2, micro_batches=4, steps=1, threads=1,
+                                 corpus="synthetic", partition="uniform")
+    job = compile_job(cfg)
+    mods = {(p, s): build_stage(job.chain, job.stage_layers[s], job.run.seed) for p, s in job.schedule.stages_of(worker)}
+    return StageCompute(job, mods, worker, 0, torch.device("cpu"), nullcontext()), segments(job.schedule.actions[worker]), job
+
+
+def test_the_last_stage_loads_each_forwards_labels_while_it_waits_for_its_input():
+    compute, segs, job = _compute(1)
+    ahead = compute.data_ahead(segs)
+    forwards = [(k, seg[0]) for k, seg in enumerate(segs) if seg[0].kind.value == "F"]
+    assert len(forwards) == 4
+    for k, f in forwards:  # the receive batch right before each forward maps to its micro-batch
+        before = max(j for j in ahead if j < k)
+        assert segs[before][0].kind.is_p2p and ahead[before] == [(f.pipe, mb) for mb in f.microbatches]
+    st = StepState(3, torch.device("cpu"))
+    k, f = forwards[1]
+    compute.load_ahead(ahead[max(j for j in ahead if j < k)], st)
+    loaded = st.data[(f.pipe, f.microbatch)]
+    fresh = compute._data(f.pipe, f.microbatch, 3)
+    assert all(torch.equal(a, b) for a, b in zip(loaded[1].values(), fresh[1].values()))  # the same micro-batch's labels
+    # the forward takes what was loaded (and leaves nothing behind)
+    st.inbox.update(_fake_input(job, f))
+    compute.forward(f, st)
+    assert not st.data and len(st.stash) == 1
+
+
+def test_the_first_stage_loads_ahead_only_forwards_after_a_message():
+    compute, segs, _ = _compute(0)
+    ahead = compute.data_ahead(segs)
+    first_f = next(k for k, seg in enumerate(segs) if seg[0].kind.value == "F")
+    assert all(k > first_f for k in ahead)  # the step's first forward has no message before it
+    assert ahead and all(segs[k][0].kind.is_p2p for k in ahead)
+
+
+def _fake_input(job, f):
+    from chimera.schedule.kinds import Msg, Res
+
+    specs = job.stage_inputs(f.stage)
+    return {Msg(Res.ACT, f.pipe, f.stage - 1, f.microbatch): tuple(torch.zeros(s.shape, dtype=s.dtype) for s in specs)}
