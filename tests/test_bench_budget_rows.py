@@ -21,9 +21,3 @@ def test_auto_at_1f1bs_budget_picks_the_schedule_with_the_shortest_period(name):
     assert pick.label == "zb-v" and not pick.deferred
     assert pick.period == w.micro_batches * 3 * Fraction(str(w.tf))  # F, I and W of every micro-batch: no bubble
 
-
-def test_auto_unlimited_is_not_a_jointly_ordered_variant():
-    """The row runs the pick's one-step list: the simulator-only jointly ordered steps are never picked."""
-    w = WORKLOADS["delay-d8-n8"]
-    pick = auto_choice(w, None, UNITS)
-    assert not pick.deferred and "+joint" not in pick.label
