@@ -10,8 +10,8 @@ chimera's generator of the same order): peak activations plus shares held x weig
 
 Budgets per workload: what torch.pp's 1F1B needs, what its ZBVZeroBubble needs, and unlimited. At each budget
 ``auto`` is chimera's schedule search (``chimera.schedule.best.best``: every registered candidate simulated with
-the delay costs, the fastest that fits; Chimera's halving mode included: the workloads' delay model sleeps half as
-long on half a micro-batch) and runs as the schedule it picks; the reference is the fastest *measured* torch.pp row
+the delay costs, the fastest that fits by the period of consecutive steps, as the rows are timed; Chimera's halving
+mode included: the workloads' delay model sleeps half as long on half a micro-batch) and runs as the schedule it picks; the reference is the fastest *measured* torch.pp row
 that fits the same budget. Timing as in ``bench/vs_torch_pipelining.py`` (same runners, the mean of 5 consecutive
 steps after a first one, rows rotated per repetition; both sides one process per rank on one machine, gloo, the
 same allocator setting and data).
@@ -29,6 +29,7 @@ import shlex
 import statistics
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +67,16 @@ def torch_need(w: Workload, name: str, order: str | None, units: float) -> float
     return float(peak + units * shares)
 
 
-def auto_choice(w: Workload, budget: float | None, units: float) -> Choice:
-    """``auto``'s pick for the delay model within ``budget`` (None: unlimited)."""
+def auto_choice(w: Workload, budget: float | None, units: float, run: int = RUN) -> Choice:
+    """``auto``'s pick for the delay model within ``budget`` (None: unlimited), ranked by what the rows time: the
+    period of ``run`` consecutive steps after a first one (``bench/predict.py``'s figure). One step's makespan misranks
+    schedules whose steps overlap at the boundary (ZB-V's first forwards start while the last weight gradients of
+    the step before still run): the runtime lets them overlap, as the benchmark's jobs do not clip. The jointly
+    ordered steps (simulator-only) are left out: the row runs the pick's one-step list."""
     assert w.tf is not None
-    return best(w.stages, w.micro_batches, Costs(fwd=w.tf, bwd=w.tf, wgrad=w.tf), budget, halving=True,
-                layers=2 * w.stages + 2, weight_memory=units)[0]
+    tf = Fraction(str(w.tf))  # exact: ties between candidates are ties, not float noise
+    return best(w.stages, w.micro_batches, Costs(fwd=tf, bwd=tf, wgrad=tf), budget, halving=True,
+                layers=2 * w.stages + 2, weight_memory=units, steps=steps_per_rep(run), by="period", joint=False)[0]
 
 
 def run(w: Workload, units: float, reps: int, warmup: int, log: Any) -> list[dict[str, Any]]:

@@ -14,8 +14,9 @@ Chimera rows are predicted with the runtime's own costs too (:class:`Calibration
 any row starts): the lowered schedule the job runs, every message the gloo ping-pong's one-way time between two
 processes of this machine (and as much of the worker's time to post and complete), every gradient sum one such
 exchange, every compute action the runtime's fixed time per action of its kind
-(:func:`chimera.calibrate.measure_action_costs`), and every step what zero-sleep 1F1B steps (run locally, whole
-and split backward) take beyond their simulation with those costs, charged to the optimizer step. torch.pp rows keep the schedule-only figure: their
+(:func:`chimera.calibrate.measure_action_costs`, its blocks sleeping like the rows' actions, up to 10 ms: beyond
+its sleeps), and every step what those 1F1B steps (run locally, whole and split backward) take beyond their
+simulation with those costs, charged to the optimizer step. torch.pp rows keep the schedule-only figure: their
 runtime's costs are torch's, not measured here.
 
 No prediction (None) for the real-model rows: one-thread stage profiles taken on the shared 2-core development
@@ -31,6 +32,10 @@ from dataclasses import dataclass, replace
 from bench.workloads import Workload
 from chimera.schedule import Costs, Schedule, build_schedule, simulate
 from chimera.schedule.steps import period
+
+#: the longest sleep the calibration runs with: the cost of waking from a sleep levels off by ~10 ms (0.54-0.67 ms
+#: per action at 10 ms, 0.62-0.70 at 25 ms, 0.15-0.19 never sleeping), and longer sleeps only lengthen it
+SLEEP_CAP_S = 0.01
 
 
 def delay_costs(tf: float, stages: int) -> Costs:
@@ -48,15 +53,19 @@ class Calibration:
     step_s: float = 0.0  # what a step costs beyond its actions (charged to its optimizer step)
 
     @staticmethod
-    def measure(workers: int) -> Calibration:
+    def measure(workers: int, tf: float = 0.0) -> Calibration:
+        """Measured with the delay model sleeping like the rows' actions (``tf`` per block, at most
+        :data:`SLEEP_CAP_S`): a worker that sleeps pays more per action than one that never does
+        (:mod:`chimera.calibrate`)."""
         from chimera.calibrate import measure_runtime
         from chimera.profile.comm import measure_comm_local
 
+        sleep = min(tf, SLEEP_CAP_S)
         p2p = measure_comm_local(2, sizes=(512,), reps=200).p2p.latency_s
-        fixed, runs = measure_runtime(workers)
+        fixed, runs = measure_runtime(workers, sleep_s=sleep)
         c = Calibration(p2p, tuple(fixed.items()))
-        # the zero-sleep runs' steps beyond their simulation with these costs: the per-step remainder
-        extra = [step - float(simulate(s, c.costs(0.0, s.stages)).makespan) for s, step in runs]
+        # the calibration runs' steps beyond their simulation with these costs: the per-step remainder
+        extra = [step - float(simulate(s, c.costs(sleep, s.stages)).makespan) for s, step in runs]
         return replace(c, step_s=max(0.0, statistics.median(extra)))
 
     def costs(self, tf: float, stages: int) -> Costs:

@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     calibration = None
     if any(w.is_delay for w in workloads) and not args.no_calibrate:  # before anything else runs
-        calibration = Calibration.measure(max(w.stages for w in workloads if w.is_delay))
+        delay = [w for w in workloads if w.is_delay]
+        calibration = Calibration.measure(max(w.stages for w in delay), min(float(w.tf or 0.0) for w in delay))
         log(f"calibration: {calibration.text()}")
     rows_per = len({*CHIMERA_SCHEDULES, *((only or set()) - set(TORCH_SCHEDULES))})
     cpus = rows_per * max(w.stages for w in workloads) + 2  # one CPU slot per chimera worker

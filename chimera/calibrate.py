@@ -9,6 +9,11 @@ action's interval, and keeps per compute kind the median: that is the fixed cost
     fixed = measure_action_costs(workers=2)      # {"F": 2.1e-4, "B": 3.0e-4, "I": ..., "W": ...}
     costs = replace(costs, fixed=tuple(fixed.items()))
 
+With ``sleep_s`` > 0 every block sleeps that long (forward, input gradient and weight gradient each) and an action's
+fixed cost is its interval less its sleeps: a worker that sleeps (waits on a device, or on the delay model's timer)
+pays more per action than one that never does (the wake-up, the cold caches: about 0.6 ms against 0.2 ms on the
+2-core development machine at 10-25 ms sleeps), so measure with sleeps like the actions to be predicted.
+
 Communication's own worker time is the comm profile's (``p2p_busy``, the gloo ping-pong's fixed cost), not
 measured here. The figure depends on the machine and its load: measure as training will run (as many workers at
 once on the machine).
@@ -19,35 +24,39 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from chimera.schedule import Schedule
+from chimera.schedule import Action, Costs, Kind, Schedule
 
 #: the kinds measured: the compute kinds of a whole and a split backward
 KINDS = ("F", "B", "I", "W")
 
 
 def measure_action_costs(workers: int = 2, steps: int = 12, skip: int = 4, micro_batches: int | None = None,
-                         device: str = "cpu") -> dict[str, float]:
-    """Median seconds per action of each compute kind (:data:`KINDS`) over steps ``skip, skip+2, ...`` of 1F1B with a
-    whole and with a split backward on ``workers`` workers, the delay model sleeping 0 s (module docstring)."""
-    return measure_runtime(workers, steps, skip, micro_batches, device)[0]
+                         device: str = "cpu", sleep_s: float = 0.0) -> dict[str, float]:
+    """Median seconds per action of each compute kind (:data:`KINDS`) beyond its sleeps over steps ``skip, skip+2,
+    ...`` of 1F1B with a whole and with a split backward on ``workers`` workers, the delay model sleeping ``sleep_s``
+    per block (module docstring)."""
+    return measure_runtime(workers, steps, skip, micro_batches, device, sleep_s)[0]
 
 
 def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batches: int | None = None,
-                    device: str = "cpu") -> tuple[dict[str, float], list[tuple[Schedule, float]]]:
+                    device: str = "cpu", sleep_s: float = 0.0) -> tuple[dict[str, float], list[tuple[Schedule, float]]]:
     """:func:`measure_action_costs`, and per job run (1F1B whole and split) its lowered schedule and the median
-    seconds of its steps that recorded nothing (``skip+1, skip+3, ...``): what a step costs beyond its actions is
-    what those steps take beyond their simulation."""
+    seconds of its steps that recorded nothing (``skip+1, skip+3, ...``): what a step costs beyond its actions (and
+    their sleeps, :func:`sleeps`) is what those steps take beyond their simulation."""
     from chimera.compile import compile_job
     from chimera.config import TrainConfig
     from chimera.runtime.launch import run_local
 
     if workers < 2 or steps <= skip:
         raise ValueError(f"need workers >= 2 and steps > skip, got workers={workers}, steps={steps}, skip={skip}")
+    if sleep_s < 0:
+        raise ValueError(f"sleep_s is seconds per block, >= 0; got {sleep_s}")
     n = micro_batches or 2 * workers
+    slept = sleeps(sleep_s, workers)
     durations: dict[str, list[float]] = defaultdict(list)
     runs: list[tuple[Schedule, float]] = []
     for split in (False, True):
-        cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": workers, "fwd_s": 0.0},
+        cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": workers, "fwd_s": sleep_s},
                                      schedule="1f1b", split_backward=split, stages=workers, micro_batches=n,
                                      micro_batch_size=2, steps=steps, optimizer="sgd", lr=1e-3, clip_grad=0.0,
                                      threads=1, device=device, corpus="synthetic", partition="uniform", profile=True,
@@ -56,8 +65,16 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
         result = run_local(job)
         for e in result.events:
             if e.kind in KINDS:
-                durations[e.kind].append(e.end - e.start)
+                a = Action(Kind(e.kind), e.pipe, e.stage, e.microbatch, e.count)
+                durations[e.kind].append(e.end - e.start - float(slept.of(a)))
         # steps skip, skip+2, ... record their actions; the others, untouched by the recorder, are timed
         timed = [m["step_time_s"] for m in result.metrics[skip + 1::2]] or [m["step_time_s"] for m in result.metrics]
         runs.append((job.schedule, statistics.median(timed)))
     return {k: statistics.median(durations[k]) for k in KINDS if durations[k]}, runs
+
+
+def sleeps(sleep_s: float, workers: int) -> Costs:
+    """What the delay model sleeps per action when every block sleeps ``sleep_s`` (one block per stage): forward,
+    input gradient and weight gradient each, except that the first stage's inputs need no gradient, so its weight
+    gradient sleeps both (:meth:`Costs.first_stage_whole_backward`)."""
+    return Costs(fwd=sleep_s, bwd=sleep_s, wgrad=sleep_s).first_stage_whole_backward(workers)

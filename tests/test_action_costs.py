@@ -30,6 +30,18 @@ def test_the_runtime_measures_a_positive_fixed_time_per_compute_kind():
         measure_action_costs(1)
 
 
+@pytest.mark.timeout(120)
+def test_with_sleeping_blocks_the_fixed_time_is_what_an_action_takes_beyond_its_sleeps():
+    """Blocks sleeping 5 ms: every kind's figure is its interval less its sleeps (F, I, W one each, B two; the first
+    stage's I none and its W two): positive and under one sleep. A worker that sleeps pays more per action than
+    one that never does (the wake-up), which a zero-sleep calibration misses (bench/predict.py)."""
+    fixed = measure_action_costs(2, steps=5, skip=2, sleep_s=0.005)
+    assert set(fixed) == set(KINDS)
+    assert all(0 < v < 0.005 for v in fixed.values()), fixed
+    with pytest.raises(ValueError, match="sleep_s"):
+        measure_action_costs(2, sleep_s=-1.0)
+
+
 def test_a_profile_carries_the_runtime_costs_into_the_planners_simulation(tmp_path):
     """A profile with the runtime's time per action (``chimera profile --comm local`` measures it) keeps it in its
     file (an older file reads none) and the planner's costs charge it: 1F1B at D = 2, N = 4 with 1 ms more per F

@@ -205,3 +205,20 @@ def test_sharded_optimizer_state_lets_replicated_schedules_fit():
     assert plain.label == "zb-v"
     assert sharded.label == "chimera --mode halving --split-backward", sharded
     assert next(c.over for c in ranked if c.label == "chimera4") == "needs 48"  # 8 + 4 x 16 - 8 x 3
+
+
+def test_ranking_by_period_counts_the_overlapped_step_boundary():
+    """D = 4, N = 8, F = I = W, within 1F1B's memory (weights included): one step's makespan ranks Chimera with
+    halving (24.5) over ZB-V (25.5), but ZB-V's next step starts while its last weight gradients run, so over
+    consecutive steps ZB-V repeats every 24 against halving's 24.5 (measured on the delay model: 1.273-1.277 s against
+    1.288-1.333 s at tf = 50 ms). ``joint=False`` leaves out the simulator-only jointly ordered steps."""
+    limit, w = 4 + Fraction(139, 100), Fraction(139, 100)  # 1F1B's peak and one share
+    halving = "chimera --mode halving --split-backward"
+    assert best(4, 8, EQUAL, limit, weight_memory=w)[0].label == halving
+    choice, ranked = best(4, 8, EQUAL, limit, weight_memory=w, steps=6, by="period", joint=False)
+    periods = {c.label: c.period for c in ranked}
+    assert choice.label == "zb-v" and (periods["zb-v"], periods[halving]) == (24, Fraction(49, 2))
+    assert not any(c.deferred for c in ranked)
+    tight = 5  # halving fits (2 + 2 shares), ZB-V does not (4 + 1): halving's joint steps could beat its 24.5
+    assert any(c.deferred for c in rank(4, 8, EQUAL, tight, weight_memory=w, steps=6, by="period"))
+    assert not any(c.deferred for c in rank(4, 8, EQUAL, tight, weight_memory=w, steps=6, by="period", joint=False))

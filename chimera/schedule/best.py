@@ -25,7 +25,7 @@ steady-state ``period``; ``by="period"`` ranks by it (default: by one step's mak
 training's ``auto`` do), and adds, for each split-backward candidate that could beat the best period found, its
 steps ordered jointly by the list scheduler, weight gradients free to cross step boundaries
 (:func:`chimera.schedule.steps.deferred`; label ``... +joint steps``): simulator-only, the runtime runs each step's
-list as it is.
+list as it is; ``joint=False`` leaves them out (a pick that a job is to run).
 """
 
 from __future__ import annotations
@@ -88,12 +88,13 @@ def _num(x: Num) -> Num:
 
 def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
          halving: bool = True, layers: int | None = None, weight_memory: Num = 0, steps: int = 1,
-         by: str = "makespan", sharded_memory: Num = 0) -> list[Choice]:
+         by: str = "makespan", sharded_memory: Num = 0, joint: bool = True) -> list[Choice]:
     """Every candidate simulated with ``costs``; those that fit first, fastest first (then least memory).
     ``layers``: leave out candidates with more stages than the model has layers. ``steps`` >= 2: each also gets
     its period over that many overlapped steps; ``by``: rank by ``makespan`` or ``period`` (which needs it).
     ``sharded_memory``: the part of ``weight_memory`` that is optimizer state sharded over each stage's replicas
-    (``--shard-optimizer``; :func:`owned_shares`)."""
+    (``--shard-optimizer``; :func:`owned_shares`). ``joint``: by ``period``, add the simulator-only jointly ordered
+    variants (module docstring)."""
     _check_by(by, steps)
     out, split_ones = [], []
     for label, spec, options in candidates(stages, microbatches, halving, steady=by == "period"):
@@ -111,7 +112,7 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
         over = _over(s, chunks, peak, shares, memory_limit, weight_memory, sharded_memory)
         per = steps_period(s, split, steps).period if steps > 1 else None
         out.append(Choice(label, spec.name, options, r.makespan, r.bubble, peak, not over, shares, over, s, per))
-        if by == "period" and any(a.kind is Kind.W for row in s.actions for a in row):
+        if by == "period" and joint and any(a.kind is Kind.W for row in s.actions for a in row):
             split_ones.append((out[-1], split, r, chunks))
     limits = (memory_limit, weight_memory, sharded_memory)
     return _sorted(out + (_deferred(out, split_ones, steps, limits) if split_ones else []), by)
@@ -188,10 +189,11 @@ def exclude(ranked: Sequence[Choice], over: dict[str, str], by: str = "makespan"
 
 def best(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
          halving: bool = True, layers: int | None = None, weight_memory: Num = 0, steps: int = 1,
-         by: str = "makespan", sharded_memory: Num = 0) -> tuple[Choice, list[Choice]]:
+         by: str = "makespan", sharded_memory: Num = 0, joint: bool = True) -> tuple[Choice, list[Choice]]:
     """The fastest candidate that fits (by one step's ``makespan``, or by the ``period`` of ``steps`` consecutive
-    overlapped steps), and the whole ranking; ScheduleConfigError when none fits."""
-    ranked = rank(stages, microbatches, costs, memory_limit, halving, layers, weight_memory, steps, by, sharded_memory)
+    overlapped steps; ``joint``: as :func:`rank`), and the whole ranking; ScheduleConfigError when none fits."""
+    ranked = rank(stages, microbatches, costs, memory_limit, halving, layers, weight_memory, steps, by, sharded_memory,
+                  joint)
     if not ranked:
         few = f": the model has {layers} layers, fewer than the {stages} stages; lower --stages" if layers else ""
         raise ScheduleConfigError(f"no schedule builds for D={stages}, N={microbatches}{few}")
