@@ -222,3 +222,39 @@ def test_ranking_by_period_counts_the_overlapped_step_boundary():
     tight = 5  # halving fits (2 + 2 shares), ZB-V does not (4 + 1): halving's joint steps could beat its 24.5
     assert any(c.deferred for c in rank(4, 8, EQUAL, tight, weight_memory=w, steps=6, by="period"))
     assert not any(c.deferred for c in rank(4, 8, EQUAL, tight, weight_memory=w, steps=6, by="period", joint=False))
+
+
+def test_auto_ranks_by_the_steady_state_when_steps_overlap():
+    """Without a step-wide sync (no clipping, no post-validation, no tied weights) the runtime overlaps consecutive
+    steps, so training's auto ranks by the simulated period of consecutive steps; with clipping, by one step's
+    makespan. A budget (the memory walk marks the ranking again) keeps the period's order."""
+    base = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": 16, "fwd_s": 0.025, "rows": 2},
+                                  schedule="auto", stages=8, micro_batches=8, micro_batch_size=2, partition="uniform",
+                                  clip_grad=0.0)
+    steady = compile_job(base)
+    assert steady.layout.schedule == "chimera-relisted", steady.decisions[0]
+    assert steady.decisions[0].startswith("auto: chimera-relisted: period 1.2, makespan 1.275")
+    drained = compile_job(base.with_flags(clip_grad=1.0))
+    assert drained.decisions[0].startswith("auto: chimera4: makespan 1.25"), drained.decisions[0]
+    assert compile_job(base.with_flags(memory_per_worker="4GiB")).layout.schedule == "chimera-relisted"
+    # D = N = 4: both repeat every 3N, a tie (to the rounding of float costs) that the shorter first step breaks
+    small = compile_job(base.with_flags(stages=4, micro_batches=4, model_overrides={"num_blocks": 8, "fwd_s": 0.025,
+                                                                                    "rows": 2}))
+    assert small.decisions[0].startswith("auto: chimera4: period 0.6, makespan 0.6"), small.decisions[0]
+
+
+def test_auto_costs_of_a_delay_model_follow_its_rows():
+    """Sleeps for ``rows`` rows: a micro-batch of other size sleeps in proportion, and halving is a candidate (half a
+    micro-batch sleeps half); sleeps for any batch: no halving."""
+    from chimera.compile.model import preset_chain
+    from chimera.compile.schedule import auto_costs
+
+    def chain(rows):
+        cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": 8, "fwd_s": 0.01, "rows": rows},
+                                     stages=4, micro_batches=4, partition="uniform")
+        return preset_chain(cfg)
+
+    assert auto_costs(chain(None), 4, 2) == (Costs(fwd=0.02, bwd=0.02, wgrad=0.02), False)
+    assert auto_costs(chain(2), 4, 2) == (Costs(fwd=0.02, bwd=0.02, wgrad=0.02), True)
+    assert auto_costs(chain(4), 4, 2) == (Costs(fwd=0.01, bwd=0.01, wgrad=0.01), True)
+    assert auto_costs(chain(4), 4, 3)[1] is False  # an odd micro-batch does not halve

@@ -168,14 +168,16 @@ def _auto_why(off: Offload, peak: WorkerMemory, budget: int, prefetch: int) -> s
 
 def exclude_over_budget(cfg: TrainConfig, ranked: Sequence[Choice], split: Callable[[int], list[list[int]]],
                         budget: Budget, shapes: Shapes,
-                        owned: Callable[[Schedule], Sequence[Mapping[int, int]] | None] | None = None) -> list[Choice]:
+                        owned: Callable[[Schedule], Sequence[Mapping[int, int]] | None] | None = None,
+                        by: str = "makespan") -> list[Choice]:
     """``--schedule auto``'s ranking with the candidates that cannot fit the budget marked, weights included, so that
     its first is the fastest that fits; each priced on ``split(stages)`` at its own unit size. With ``--offload
     auto`` a schedule that fits without offload beats a faster one that needs it, and so on up the ladder. When
     nothing fits, the ranking is returned unmarked and the memory verdict refuses the fastest, naming what to
     change. ``owned`` (``--shard-optimizer``): per candidate schedule, each worker's owned optimizer-state bytes
     per stage (``OptimizerShards.per_worker``), so that an extra replica costs its weights and gradients only; a
-    ConfigError from it (the schedule cannot be sharded) marks the candidate."""
+    ConfigError from it (the schedule cannot be sharded) marks the candidate. ``by``: what ``ranked`` is ranked by
+    (``makespan`` or ``period``), kept."""
     if budget.bytes is None:
         return list(ranked)
     t, m = cfg.training, cfg.memory
@@ -198,7 +200,7 @@ def exclude_over_budget(cfg: TrainConfig, ranked: Sequence[Choice], split: Calla
                 continue
             need = max(w.total for w in mem)
             if need <= budget.bytes:
-                return exclude(ranked, over)
+                return exclude(ranked, over, by)
             with_off = f" with --offload {off.text}" if off is not None and off.optimizer else ""
             over[c.label] = f"needs {format_bytes(need)} of {format_bytes(budget.bytes)}{with_off}"
     return list(ranked)

@@ -86,7 +86,9 @@ def _auto(cfg: TrainConfig, model: Model, budget: Budget, shapes: Shapes) -> Sch
     s = cfg.schedule
     chain = model.chain
     costs, halving = auto_costs(chain, s.stages, s.micro_batch_size)
-    _, ranked = best(s.stages, s.micro_batches, costs, halving=halving, layers=chain.num_layers)
+    by = "period" if steps_overlap(cfg, chain) else "makespan"
+    _, ranked = best(s.stages, s.micro_batches, costs, halving=halving, layers=chain.num_layers,
+                     steps=STEADY_STEPS if by == "period" else 1, by=by, joint=False)
     method = "uniform" if s.partition == "planned" else s.partition
 
     def split(stages: int) -> list[list[int]]:
@@ -97,11 +99,24 @@ def _auto(cfg: TrainConfig, model: Model, budget: Budget, shapes: Shapes) -> Sch
         shards = shard_pass(cfg, chain, wide, split(sched.stages))
         return shards.per_worker(wide) if shards is not None else None
 
-    ranked = exclude_over_budget(cfg, ranked, split, budget, shapes, owned)
+    ranked = exclude_over_budget(cfg, ranked, split, budget, shapes, owned, by)
     choice = ranked[0]
     assert choice.schedule is not None
     options = {k: v for k, v in choice.options.items() if k != "order_costs"}
-    return _decision(cfg, choice.schedule, choice.name, options, explain(choice, ranked))
+    return _decision(cfg, choice.schedule, choice.name, options, explain(choice, ranked, by))
+
+
+#: consecutive steps ``auto`` simulates to rank by the steady state's period
+STEADY_STEPS = 6
+
+
+def steps_overlap(cfg: TrainConfig, chain: Any) -> bool:
+    """Whether the runtime overlaps consecutive steps (a worker starts its next step as soon as its own list allows):
+    nothing holds every worker at a step's end, neither a global gradient norm (clipping, post-validation) nor a sum
+    of tied weights across workers. Then the steady state's period is what a run measures, and ``auto`` ranks by it
+    (``chimera.schedule.steps``); else by one step's makespan."""
+    t = cfg.training
+    return t.clip_grad == 0 and not t.post_validate and not chain.tied_parameters()
 
 
 def _auto_profiled(cfg: TrainConfig, model: Model, budget: Budget, threads: int,
@@ -193,13 +208,16 @@ def auto_costs(chain: Any, stages: int, micro_batch_size: int) -> tuple[Costs, b
     """The costs of one worker's share ``--schedule auto`` simulates with, and whether backward halving is a
     candidate.
 
-    The delay model's sleeps (tf, tb, tw per block, times the blocks of a share) exactly, without halving (a
-    sleep does not shrink with the micro-batch); any other model F = I = W (a backward twice a forward, half of
-    it weight gradients), with halving where the micro-batch size is even.
+    A model that knows its costs (``block_seconds``, the delay model: tf, tb, tw per block, times the blocks of a
+    share) exactly, for the micro-batch's rows when its seconds are for a number of rows (``config.rows``), and then
+    with halving where the micro-batch size is even (half a micro-batch takes half as long), else without (its
+    seconds do not shrink with the micro-batch); any other model F = I = W (a backward twice a forward, half of it
+    weight gradients), with halving where the micro-batch size is even.
     """
     seconds = getattr(chain, "block_seconds", None)
     if seconds is not None:
-        share = Fraction(chain.config.num_blocks, stages)
+        rows = getattr(chain.config, "rows", None)
+        share = Fraction(chain.config.num_blocks, stages) * (Fraction(micro_batch_size, rows) if rows else 1)
         tf, tb, tw = (float(t * share) for t in seconds)
-        return Costs(fwd=tf, bwd=tb, wgrad=tw), False
+        return Costs(fwd=tf, bwd=tb, wgrad=tw), bool(rows) and micro_batch_size % 2 == 0
     return Costs(fwd=1, bwd=1, wgrad=1), micro_batch_size % 2 == 0

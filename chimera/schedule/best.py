@@ -176,9 +176,14 @@ def _check_by(by: str, steps: int) -> None:
 
 
 def _sorted(choices: Sequence[Choice], by: str = "makespan") -> list[Choice]:
-    # ties: the simpler schedule (no split backward), then the least memory (by period: then the makespan)
-    return sorted(choices, key=lambda c: (not c.fits, c.period if by == "period" else c.makespan, c.makespan,
-                                          c.options.get("split_backward", False), c.peak, c.shares))
+    # ties (equal to 1e-9, so that float costs' rounding decides none): the simpler schedule (no split backward),
+    # then the least memory (by period: the shorter makespan first)
+    return sorted(choices, key=lambda c: (not c.fits, _tied(c.period if by == "period" else c.makespan),
+                                          _tied(c.makespan), c.options.get("split_backward", False), c.peak, c.shares))
+
+
+def _tied(x: Num | None) -> float:
+    return round(float(x), 9) if x is not None else float("inf")
 
 
 def exclude(ranked: Sequence[Choice], over: dict[str, str], by: str = "makespan") -> list[Choice]:

@@ -12,12 +12,13 @@ Usage::
 Every worker runs its list of step 1, then its list of step 2, and so on (:func:`repeat`: step j's micro-batches are
 numbered after step j-1's), with what the step boundary waits for on top (:func:`boundaries`), in one of two modes:
 
-* drained (``overlap=False``; what the runtime does today): a worker's optimizer step follows the global gradient
-  norm, which needs every stage's gradients, so every worker's optimizer step (in a compute-only schedule, which
+* drained (``overlap=False``; what the runtime does with clipping, post-validation or tied weights): a worker's
+  optimizer step follows the global gradient norm, which needs every stage's gradients, so every worker's optimizer step (in a compute-only schedule, which
   has none: the next step's first action) waits until every worker has reached its own. The steps follow one
   another: the period is one step's makespan (which includes the optimizer step where the schedule is lowered).
-* overlapped (``overlap=True``; Zero Bubble's post-validation: the global norm and the non-finite check are
-  validated after the update, which is rolled back in the rare case they change it): a stage replica is updated
+* overlapped (``overlap=True``; what the runtime does when nothing syncs every worker at a step's end, and what
+  Zero Bubble's post-validation aims at: the global norm and the non-finite check validated after the update,
+  which is rolled back in the rare case they change it): a stage replica is updated
   as soon as the gradients of all of the stage's replicas are complete, and the next step's first compute of
   that stage on a worker waits for that and nothing more. Lowered, a replica's sum ends at its own
   ``ALLREDUCE_WAIT``, which the worker's list runs before the next step anyway; compute-only (the sum free), the
