@@ -32,8 +32,8 @@ KINDS = ("F", "B", "I", "W")
 
 def measure_action_costs(workers: int = 2, steps: int = 12, skip: int = 4, micro_batches: int | None = None,
                          device: str = "cpu", sleep_s: float = 0.0) -> dict[str, float]:
-    """Median seconds per action of each compute kind (:data:`KINDS`) beyond its sleeps over steps ``skip, skip+2,
-    ...`` of 1F1B with a whole and with a split backward on ``workers`` workers, the delay model sleeping ``sleep_s``
+    """Median seconds per action of each compute kind (:data:`KINDS`) beyond its sleeps over the recorded steps
+    (:func:`measure_runtime`) of 1F1B with a whole and with a split backward on ``workers`` workers, the delay model sleeping ``sleep_s``
     per block (module docstring)."""
     return measure_runtime(workers, steps, skip, micro_batches, device, sleep_s)[0]
 
@@ -41,14 +41,17 @@ def measure_action_costs(workers: int = 2, steps: int = 12, skip: int = 4, micro
 def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batches: int | None = None,
                     device: str = "cpu", sleep_s: float = 0.0) -> tuple[dict[str, float], list[tuple[Schedule, float]]]:
     """:func:`measure_action_costs`, and per job run (1F1B whole and split) its lowered schedule and the median
-    seconds of its steps that recorded nothing (``skip+1, skip+3, ...``): what a step costs beyond its actions (and
-    their sleeps, :func:`sleeps`) is what those steps take beyond their simulation."""
+    seconds of its last steps, which record nothing and follow a step that recorded nothing (a recording step runs
+    slower, and consecutive steps overlap: the one after it starts late): what a step costs beyond its actions (and
+    their sleeps, :func:`sleeps`) is what those steps take beyond their simulation. Steps ``skip`` to ``skip + (steps
+    - skip) // 2 - 1`` record their actions, one more is left out, the rest are timed."""
     from chimera.compile import compile_job
     from chimera.config import TrainConfig
     from chimera.runtime.launch import run_local
 
-    if workers < 2 or steps <= skip:
-        raise ValueError(f"need workers >= 2 and steps > skip, got workers={workers}, steps={steps}, skip={skip}")
+    if workers < 2 or steps < skip + 3:
+        raise ValueError(f"need workers >= 2 and steps >= skip + 3, got workers={workers}, steps={steps}, skip={skip}")
+    recorded = tuple(range(skip, skip + (steps - skip) // 2))
     if sleep_s < 0:
         raise ValueError(f"sleep_s is seconds per block, >= 0; got {sleep_s}")
     n = micro_batches or 2 * workers
@@ -60,15 +63,14 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
                                      schedule="1f1b", split_backward=split, stages=workers, micro_batches=n,
                                      micro_batch_size=2, steps=steps, optimizer="sgd", lr=1e-3, clip_grad=0.0,
                                      threads=1, device=device, corpus="synthetic", partition="uniform", profile=True,
-                                     profile_steps=tuple(range(skip, steps, 2)))
+                                     profile_steps=recorded)
         job = compile_job(cfg)
         result = run_local(job)
         for e in result.events:
             if e.kind in KINDS:
                 a = Action(Kind(e.kind), e.pipe, e.stage, e.microbatch, e.count)
                 durations[e.kind].append(e.end - e.start - float(slept.of(a)))
-        # steps skip, skip+2, ... record their actions; the others, untouched by the recorder, are timed
-        timed = [m["step_time_s"] for m in result.metrics[skip + 1::2]] or [m["step_time_s"] for m in result.metrics]
+        timed = [m["step_time_s"] for m in result.metrics[recorded[-1] + 2:]]
         runs.append((job.schedule, statistics.median(timed)))
     return {k: statistics.median(durations[k]) for k in KINDS if durations[k]}, runs
 

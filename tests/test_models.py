@@ -248,3 +248,31 @@ def test_delay_sleeps_scale_with_the_batch_rows(monkeypatch):
         slept.clear()
         block(torch.ones(batch, 16, requires_grad=True)).sum().backward()
         assert sorted(slept) == pytest.approx(want), (rows, batch)
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="timer slack is Linux's")
+def test_delay_sleeps_with_a_1ns_timer_slack_in_the_thread_that_runs_it():
+    """The delay model's sleeps last what they say: the thread that runs its forward and backward gets a 1 ns timer
+    slack (the default 50 µs makes every sleep ~0.08 ms long on the development machine); other threads keep theirs."""
+    import threading
+
+    import chimera.models.delay as delay
+
+    seen: dict[str, int | None] = {}
+
+    def run(name: str, sleeps: bool) -> None:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(29, 50_000, 0, 0, 0)  # the default (a new thread inherits its creator's)
+        seen[name + " before"] = delay.timer_slack_ns()
+        s = 0.001 if sleeps else 0.0
+        block = delay._Block(16, s, s, s, None)
+        block(torch.ones(2, 16, requires_grad=True)).sum().backward()
+        seen[name] = delay.timer_slack_ns()
+
+    for name, sleeps in (("sleeping", True), ("never sleeping", False)):
+        t = threading.Thread(target=run, args=(name, sleeps))
+        t.start()
+        t.join()
+    assert seen["sleeping before"] == 50_000 and seen["sleeping"] == 1
+    assert seen["never sleeping"] == 50_000

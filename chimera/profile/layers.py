@@ -45,7 +45,7 @@ from chimera.profile.format import (
     fingerprint,
 )
 from chimera.profile.memory import probe_max_micro_batch_size
-from chimera.profile.timing import PACE_TIMEOUT_S, evict_caches, measure, optimizer_costs, set_pace
+from chimera.profile.timing import PACE_TIMEOUT_S, evict_caches, measure, optimizer_costs, pace, set_pace
 from chimera.util.host_memory import StepCollector, keep_freed_memory
 from chimera.util.processes import LocalProcesses, forkserver_context
 
@@ -254,9 +254,10 @@ class LayerRun:
 
     def start_cold(self) -> None:
         """Before a timed run: evict the caches (in training, other layers ran since this one's weights and
-        activations were last touched) and wait for the device."""
+        activations were last touched), wait for the device, then for the concurrent profilers (:func:`pace`)."""
         evict_caches(self.device)
         self.sync()
+        pace()
 
     def time_forward(self) -> float:
         x, _ = self.leaves()

@@ -36,23 +36,28 @@ def _no_pace() -> None:
     pass
 
 
-_pace: Callable[[], None] = _no_pace  # called before every timed run; lock-steps concurrent profiling processes
+_pace: Callable[[], None] = _no_pace  # called right before every timed region; lock-steps concurrent profilers
 
 
 def set_pace(pace: Callable[[], None]) -> None:
-    """Call ``pace`` before every timed run of this process (a barrier shared with concurrent profilers)."""
+    """Call ``pace`` right before every timed region of this process (a barrier shared with concurrent profilers)."""
     global _pace
     _pace = pace
 
 
+def pace() -> None:
+    """The barrier of :func:`set_pace`: called last before a timed region starts (after its set-up and the cache
+    eviction), so that concurrent profilers time the same moments and none times its run beside another's eviction."""
+    _pace()
+
+
 def measure(fn: Callable[[], float], reps: int, warmup: int) -> Timing:
-    """Run ``fn`` ``warmup`` times (discarded), then ``reps`` times: median and 75th-25th percentile spread."""
+    """Run ``fn`` ``warmup`` times (discarded), then ``reps`` times: median and 75th-25th percentile spread. ``fn``
+    times its own region, calling :func:`pace` right before it."""
     for _ in range(warmup):
-        _pace()
         fn()
     samples = []
     for _ in range(reps):
-        _pace()
         samples.append(fn())
     q25, q50, q75 = np.percentile(samples, [25, 50, 75])
     return Timing(float(q50), float(q75 - q25), reps)
@@ -105,8 +110,8 @@ def optimizer_costs(layer: nn.Module, reps: int = 3) -> tuple[dict[str, int], di
         nbytes[name] = sum(t.numel() * t.element_size() for t in tensors(list(opt.state.values())))
         times = []
         for _ in range(reps):
-            _pace()
             evict_caches(copies[0].device)
+            pace()
             t0 = time.perf_counter()
             opt.step()
             if copies[0].is_cuda:
