@@ -33,8 +33,8 @@ KINDS = ("F", "B", "I", "W")
 def measure_action_costs(workers: int = 2, steps: int = 12, skip: int = 4, micro_batches: int | None = None,
                          device: str = "cpu", sleep_s: float = 0.0) -> dict[str, float]:
     """Median seconds per action of each compute kind (:data:`KINDS`) beyond its sleeps over the recorded steps
-    (:func:`measure_runtime`) of 1F1B with a whole and with a split backward on ``workers`` workers, the delay model sleeping ``sleep_s``
-    per block (module docstring)."""
+    (:func:`measure_runtime`) of 1F1B with a whole and with a split backward on ``workers`` workers, the delay
+    model sleeping ``sleep_s`` per block (module docstring)."""
     return measure_runtime(workers, steps, skip, micro_batches, device, sleep_s)[0]
 
 
