@@ -10,14 +10,14 @@ same order; torch.pp's multi-stage rows (Interleaved1F1B, DualPipeV, ZBVZeroBubb
 LoopedBFS) the compute order torch's schedule object itself runs (its ``pipeline_order``, sent by rank 0;
 ``bench.torchpp_runner.compute_order``).
 
-Chimera rows are predicted with the runtime's own costs too (:class:`Calibration`, measured once per run before
-any row starts): the lowered schedule the job runs, every message the gloo ping-pong's one-way time between two
-processes of this machine (and as much of the worker's time to post and complete), every gradient sum one such
-exchange, every compute action the runtime's fixed time per action of its kind
-(:func:`chimera.calibrate.measure_action_costs`, its blocks sleeping like the rows' actions, up to 10 ms: beyond
-its sleeps), and every step what those 1F1B steps (run locally, whole and split backward) take beyond their
-simulation with those costs, charged to the optimizer step. torch.pp rows keep the schedule-only figure: their
-runtime's costs are torch's, not measured here.
+Chimera rows are predicted with the runtime's own costs too (:class:`Calibration`, measured per workload once its
+rows' processes are up, so that their idle load is in it): the lowered schedule the job runs, every message the
+gloo ping-pong's one-way time between two processes of this machine (and as much of the worker's time to post and
+complete), every gradient sum one such exchange, every compute action the runtime's fixed time per action of its
+kind (:func:`chimera.calibrate.measure_action_costs`, its blocks sleeping like the rows' actions, up to 10 ms:
+beyond its sleeps), and every step what those 1F1B steps (run locally, whole and split backward) take beyond
+their simulation with those costs, charged to the optimizer step. torch.pp rows keep the schedule-only figure:
+their runtime's costs are torch's, not measured here.
 
 No prediction (None) for the real-model rows: one-thread stage profiles taken on the shared 2-core development
 machine varied by up to 2x between runs, so a prediction from them would say more about the machine's load

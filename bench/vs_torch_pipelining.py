@@ -86,8 +86,9 @@ def rows_of(w: Workload, only: set[str] | None = None) -> list[dict[str, Any]]:
 
 
 def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] | None = None,
-                 calibration: Calibration | None = None, run: int = RUN) -> list[dict[str, Any]]:
-    """Start both systems for ``w``, alternate steps over the rows, return the rows with their times."""
+                 calibrate: bool = False, run: int = RUN) -> tuple[list[dict[str, Any]], Calibration | None]:
+    """Start both systems for ``w``, alternate steps over the rows, return the rows with their times and, with
+    ``calibrate`` (a delay workload), the runtime's costs measured for ``w`` once its rows are up (:func:`calibrate`)."""
     rows = rows_of(w, only)
     live = [r for r in rows if not r["note"]]
     torch_names = [r["schedule"] for r in live if r["system"] == "torch.pp"]
@@ -110,6 +111,7 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
         runners: dict[tuple[str, str], Any] = {("torch.pp", n): group for n in torch_names}
         runners.update({("chimera", n): c for n, c in chimera_rows.items()})
         log(f"  {w.name}: started {len(live)} rows in {time.perf_counter() - t_start:.1f} s")
+        calibration = calibrate_for(w, log) if calibrate and w.is_delay else None
         alternate(live, runners, reps, warmup, run=run)
         for r in live:
             runner = runners[(r["system"], r["schedule"])]
@@ -123,7 +125,18 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
                     chosen = runner.job.job.schedule
                     r["split"] = f"{w.stages} ({len(chosen.stages_of(0))}/rank{', replicas' if chosen.bidirectional else ''})"
     log(f"  {w.name}: done in {time.perf_counter() - t_start:.1f} s")
-    return rows
+    return rows, calibration
+
+
+def calibrate_for(w: Workload, log: Any) -> Calibration:
+    """The runtime's costs for delay workload ``w`` (its D workers, sleeping like its actions), measured while its
+    rows' processes are up and idle, as they are while any one row runs: the idle actors' own wake-ups and
+    threads (56 of them for seven rows at D = 8) load the two cores the rows run on, and a calibration taken before
+    they start misses that."""
+    t0 = time.perf_counter()
+    calibration = Calibration.measure(w.stages, float(w.tf or 0.0))
+    log(f"  {w.name}: calibration in {time.perf_counter() - t0:.1f} s: {calibration.text()}")
+    return calibration
 
 
 def alternate(live: list[dict[str, Any]], runners: dict[tuple[str, str], Any], reps: int, warmup: int,
@@ -198,30 +211,27 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    calibration = None
-    if any(w.is_delay for w in workloads) and not args.no_calibrate:  # before anything else runs
-        delay = [w for w in workloads if w.is_delay]
-        calibration = Calibration.measure(max(w.stages for w in delay), min(float(w.tf or 0.0) for w in delay))
-        log(f"calibration: {calibration.text()}")
     rows_per = len({*CHIMERA_SCHEDULES, *((only or set()) - set(TORCH_SCHEDULES))})
     cpus = rows_per * max(w.stages for w in workloads) + 2  # one CPU slot per chimera worker
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False)
     all_rows: list[dict[str, Any]] = []
+    calibrations: list[str] = []
     t0 = time.perf_counter()
     try:
         for w in workloads:
-            rows = run_workload(w, reps, warmup, log, only, calibration, args.run_steps)
+            rows, calibration = run_workload(w, reps, warmup, log, only, not args.no_calibrate, args.run_steps)
             finish(rows, w)
             all_rows.extend(rows)
+            if calibration is not None:
+                calibrations.append(f"- calibration, {w.name} (its rows up): {calibration.text()}")
     finally:
         ray.shutdown()
     header = (f"# vs torch.distributed.pipelining: {reps} measured + {warmup} warm-up repetitions per row, "
               f"{time.perf_counter() - t0:.0f} s")
     table = format_table(all_rows)
     checks = targets(all_rows, tf=workloads[0].tf if workloads[0].is_delay else None)
-    if calibration is not None:
-        checks.insert(0, f"- calibration: {calibration.text()}")
+    checks[:0] = calibrations
     print(header)
     print(table)
     print("\n".join(checks))
