@@ -7,6 +7,7 @@ import importlib
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ def test_vs_torch_pipelining_smoke(tmp_path):
     out, md = tmp_path / "rows.json", tmp_path / "RESULTS.md"
     md.write_text("# Benchmark results\n\n## Earlier section\n\nkept\n")
     cmd = [sys.executable, "bench/vs_torch_pipelining.py", "--quick", "--workloads", "delay-d4-n4", "--tf", "0.01",
-           "--schedules", ",".join(SMOKE), "--json", str(out), "--results", str(md), "--no-calibrate"]
+           "--schedules", ",".join(SMOKE), "--json", str(out), "--results", str(md)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
@@ -46,6 +47,16 @@ def test_vs_torch_pipelining_smoke(tmp_path):
     # torch's own compute order (rank 0's pipeline_order), simulated like chimera's schedules: ZBV's ideal step
     zbv = next(r for r in rows if r["schedule"] == "zbvzerobubble")
     assert zbv["predicted_step_s"] == pytest.approx(15 * 0.01), zbv  # 12 tf of work per rank, 3 tf of bubble
+    # chimera's rows: predicted with the runtime's costs, calibrated for the workload once its rows were up
+    assert "- calibration, delay-d4-n4 (its rows up): gloo ping-pong one way" in proc.stdout
+    assert "delay-d4-n4: calibration in " in proc.stderr
+    from bench.chimera_runner import chimera_config
+    from bench.predict import predicted_step_s
+    from bench.workloads import WORKLOADS
+    w = replace(WORKLOADS["delay-d4-n4"], tf=0.01)
+    bare = predicted_step_s(w, "chimera", "chimera", compile_job(chimera_config(w, "chimera", 6)).schedule, run=5)
+    chim = next(r for r in rows if (r["system"], r["schedule"]) == ("chimera", "chimera"))
+    assert chim["predicted_step_s"] > bare, (chim, bare)  # per-action and per-step costs on top of the sleeps
     text = md.read_text()
     assert "predicted " in text.split("auto: chimera4 / best torch.pp")[1].splitlines()[0]
     assert "## Earlier section" in text and "kept" in text
@@ -57,8 +68,6 @@ def test_vs_torch_pipelining_smoke(tmp_path):
 
 def test_planned_split_is_the_same_on_both_systems():
     """A planned workload hands its split to chimera's --partition and to torch.pp's stage builder alike."""
-    from dataclasses import replace
-
     from bench.chimera_runner import chimera_config
     from bench.workloads import WORKLOADS
 
