@@ -88,7 +88,8 @@ def rows_of(w: Workload, only: set[str] | None = None) -> list[dict[str, Any]]:
 def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] | None = None,
                  calibrate: bool = False, run: int = RUN) -> tuple[list[dict[str, Any]], Calibration | None]:
     """Start both systems for ``w``, alternate steps over the rows, return the rows with their times and, with
-    ``calibrate`` (a delay workload), the runtime's costs measured for ``w`` once its rows are up (:func:`calibrate`)."""
+    ``calibrate`` (a delay workload), the runtime's costs measured for ``w`` once its rows are up
+    (:func:`calibrate_for`)."""
     rows = rows_of(w, only)
     live = [r for r in rows if not r["note"]]
     torch_names = [r["schedule"] for r in live if r["system"] == "torch.pp"]

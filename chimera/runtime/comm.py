@@ -243,9 +243,8 @@ class CommBatches:
     ``AHEAD_BATCHES`` batches), so that the peer finds their notifies waiting and writes each message from its own
     thread at once, its transport thread woken for fewer notifies (1F1B, D = 4, no sleeps, 2 cores: ~30 % less CPU
     per step on the middle ranks, ~18 % shorter steps); large receives never hold more than the next batch's
-    buffers. Per channel the receives are still posted in schedule
-    order, so messages match as validated. Not on NCCL, where an early receive would block later sends on the same
-    stream.
+    buffers. Per channel the receives are still posted in schedule order, so messages match as validated. Not on
+    NCCL, where an early receive would block later sends on the same stream.
     """
 
     def __init__(self, comm: Communicator, job: Job, worker: int, segments: Sequence[Sequence[Action]],
