@@ -30,6 +30,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from bench.workloads import Workload
+from chimera.calibrate import sleeps
 from chimera.schedule import Costs, Schedule, build_schedule, simulate
 from chimera.schedule.steps import period
 
@@ -39,8 +40,9 @@ SLEEP_CAP_S = 0.01
 
 
 def delay_costs(tf: float, stages: int) -> Costs:
-    """The delay model's simulator costs per stage (module docstring)."""
-    return Costs(fwd=tf, bwd=tf, wgrad=tf).first_stage_whole_backward(stages)
+    """The delay model's simulator costs per stage (module docstring): what it sleeps per action
+    (:func:`chimera.calibrate.sleeps`)."""
+    return sleeps(tf, stages)
 
 
 @dataclass(frozen=True)
