@@ -48,7 +48,7 @@ def test_vs_torch_pipelining_smoke(tmp_path):
     zbv = next(r for r in rows if r["schedule"] == "zbvzerobubble")
     assert zbv["predicted_step_s"] == pytest.approx(15 * 0.01), zbv  # 12 tf of work per rank, 3 tf of bubble
     # chimera's rows: predicted with the runtime's costs, calibrated for the workload once its rows were up
-    assert "- calibration, delay-d4-n4 (its rows up): gloo ping-pong one way" in proc.stdout
+    assert "- calibration, delay-d4-n4 (its rows up): ping-pong one way on the runtime's p2p" in proc.stdout
     assert "delay-d4-n4: calibration in " in proc.stderr
     from bench.chimera_runner import chimera_config
     from bench.predict import predicted_step_s

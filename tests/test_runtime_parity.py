@@ -93,6 +93,8 @@ VARIANTS = {
     "chimera-W2-sgd-noclip-gpt2": BASE.with_flags(schedule="chimera", stages=2, micro_batches=2, data_parallel=2,
                                                   model="gpt2-tiny", **SGD),
     "1f1b-W2-sgd-noclip": BASE.with_flags(schedule="1f1b", stages=2, micro_batches=4, data_parallel=2, **SGD),
+    # every other run moves its messages through shared memory (--p2p auto); this one through gloo's TCP
+    "chimera-W2-p2p-gloo": BASE.with_flags(schedule="chimera", stages=2, micro_batches=4, data_parallel=2, p2p="gloo"),
 }
 
 

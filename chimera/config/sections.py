@@ -93,6 +93,9 @@ class TrainingSection:
                                  "clipping engages or it is not finite, roll the updates back exactly and redo "
                                  "them clipped (or skip the step: a non-finite norm leaves the weights and optimizer "
                                  "state as they were). Costs a copy of each stage's weights and optimizer state")
+    p2p: str = option("auto", "how activations and gradients move between CPU workers: auto (through shared memory "
+                      "between processes on one Linux x86-64 host, messages up to 256 KiB; gloo otherwise) or gloo "
+                      "(always gloo's TCP)", choices=("auto", "gloo"))
     check_replicas: bool = option(False, "after every step, verify that all replicas of each stage are bitwise "
                                   "identical")
     debug_stall: tuple[int, float] | None = option(None, "fault injection: (worker rank, seconds) to stall",

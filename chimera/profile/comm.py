@@ -32,19 +32,25 @@ Samples = list[tuple[int, float]]  # (bytes, seconds)
 
 
 def comm_probe(rank: int, world: int, device: torch.device, sizes: Sequence[int] = SIZES, reps: int = 3,
-               timeout_s: float = 60.0) -> dict[str, Any]:
+               timeout_s: float = 60.0, p2p: str = "auto") -> dict[str, Any]:
     """Measure on this rank: one-way p2p times (half a ping-pong's round trip) with its neighbours ``rank ± 1``
     (pairs (0, 1), (2, 3), ... then (1, 2), (3, 4), ...; the lower rank of a pair times it) and SUM allreduce
     times over ranks ``0..n-1`` for n = 2..world (rank 0 times them). Call on every rank, in the same order.
 
     Returns ``{"p2p": [(bytes, s), ...], "allreduce": {n: [(bytes, s), ...]}}`` (empty where this rank timed
-    nothing); one warm-up exchange per size is discarded.
+    nothing); one warm-up exchange per size is discarded. The p2p messages take the runtime's path: on CPU with
+    ``p2p`` auto, shared memory between processes of one host up to its message limit (``chimera.util.shm``),
+    gloo beyond it and between hosts.
     """
+    from chimera.util.shm import ShmChannels
+
     out: dict[str, Any] = {"p2p": [], "allreduce": {}}
+    pairs = [("probe", a, b) for i in range(world - 1) for a, b in ((i, i + 1), (i + 1, i))]
+    chans = ShmChannels.open(rank, pairs, device.type == "cpu" and p2p == "auto")  # every rank: the same device
     for first in (0, 1):
         for a in range(first, world - 1, 2):
             if rank in (a, a + 1):
-                out["p2p"] += _ping_pong(rank, a, a + 1, device, sizes, reps, timeout_s)
+                out["p2p"] += _ping_pong(rank, a, a + 1, device, sizes, reps, timeout_s, chans)
         _sync(None, device, timeout_s)
     groups = {n: dist.new_group(list(range(n))) for n in range(2, world + 1)}  # every rank creates every group
     for n, group in groups.items():
@@ -53,23 +59,33 @@ def comm_probe(rank: int, world: int, device: torch.device, sizes: Sequence[int]
             if rank == 0:
                 out["allreduce"][n] = samples
     _sync(None, device, timeout_s)
+    chans.close()
     return out
 
 
 def _ping_pong(rank: int, a: int, b: int, device: torch.device, sizes: Sequence[int], reps: int,
-               timeout_s: float) -> Samples:
+               timeout_s: float, chans: Any) -> Samples:
     out = []
     peer = b if rank == a else a
+
+    def send(buf: torch.Tensor) -> None:
+        _wait(chans.post("probe", peer, True, buf) or dist.isend(buf, peer), device, timeout_s,
+              f"p2p send to rank {peer}")
+
+    def recv(buf: torch.Tensor) -> None:
+        _wait(chans.post("probe", peer, False, buf) or dist.irecv(buf, peer), device, timeout_s,
+              f"p2p receive from rank {peer}")
+
     for size in sizes:
         buf = torch.zeros(size, dtype=torch.uint8, device=device)
         for rep in range(reps + 1):
             t0 = time.perf_counter()
             if rank == a:
-                _wait(dist.isend(buf, peer), device, timeout_s, f"p2p send to rank {peer}")
-                _wait(dist.irecv(buf, peer), device, timeout_s, f"p2p receive from rank {peer}")
+                send(buf)
+                recv(buf)
             else:
-                _wait(dist.irecv(buf, peer), device, timeout_s, f"p2p receive from rank {peer}")
-                _wait(dist.isend(buf, peer), device, timeout_s, f"p2p send to rank {peer}")
+                recv(buf)
+                send(buf)
             if rank == a and rep > 0:
                 out.append((size, (time.perf_counter() - t0) / 2))
     return out

@@ -42,6 +42,7 @@ from chimera.job import Job
 from chimera.runtime.step_state import StepState
 from chimera.schedule import Action, Schedule
 from chimera.schedule.kinds import Msg, Res, message
+from chimera.util.shm import ShmChannels
 
 
 class StallError(RuntimeError):
@@ -64,7 +65,8 @@ class Communicator:
     """Process groups and timed waits for one rank of a pipeline job."""
 
     def __init__(self, schedule: Schedule, rank: int, tied: Iterable[Sequence[int]] = (), timeout_s: float = 120.0,
-                 worker_name: str = "", payload: str = "full", host_stages: Collection[int] = ()) -> None:
+                 worker_name: str = "", payload: str = "full", host_stages: Collection[int] = (),
+                 p2p: str = "auto") -> None:
         if payload not in PAYLOADS:
             raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
         self.single_byte = payload == "single-byte"
@@ -99,6 +101,13 @@ class Communicator:
             group = dist.new_group(list(ranks))
             if rank in ranks:
                 self.tied_groups[ranks] = self._named(group, "tied")
+        # same-host p2p through shared memory (gloo jobs with p2p "auto"; a collective: every rank, same arguments)
+        self.shm = ShmChannels.open(rank, _pairs(schedule, world), p2p == "auto") if self.backend == "gloo" else None
+
+    def close(self) -> None:
+        """Unmap the shared-memory channels."""
+        if self.shm is not None:
+            self.shm.close()
 
     def _named(self, group: Any, label: str) -> Any:
         self._labels[id(group)] = label
@@ -177,6 +186,10 @@ class Communicator:
         """``op`` posted on its group's ``send``/``recv`` (what ``dist.isend``/``irecv`` end in, tag 0), the peer's
         rank in the group resolved once."""
         group = op.group if op.group is not None else dist.group.WORLD
+        if self.shm is not None:
+            work = self.shm.post(self._labels.get(id(op.group), ""), op.peer, op.is_send, op.tensor)
+            if work is not None:
+                return work
         key = (id(group), op.peer)
         peer = self._group_peer.get(key)
         if peer is None:
@@ -350,6 +363,20 @@ class CommBatches:
         """Tensors the batches keep alive: sends in flight and receive buffers posted early."""
         return [x[3] for x in self.send_works] + [t for recvs in self.prefetched.values() for _, _, ts, _ in recvs
                                                   for t in ts]
+
+
+def _pairs(schedule: Schedule, world: int) -> list[tuple[str, int, int]]:
+    """(pipe group label, sending rank, receiving rank) of every p2p channel of a job: both directions between the
+    workers of adjacent stages of each pipe, in every data-parallel group."""
+    d = schedule.workers
+    out = set()
+    for (pipe, stage), w in schedule.placement.items():
+        nxt = schedule.placement.get((pipe, stage + 1))
+        if nxt is None or nxt == w:
+            continue
+        for g in range(world // d):
+            out |= {(f"pipe {pipe}", g * d + w, g * d + nxt), (f"pipe {pipe}", g * d + nxt, g * d + w)}
+    return sorted(out)
 
 
 #: gloo: receives posted ahead beyond the next batch's, while their buffers total at most this (bytes) ...

@@ -100,7 +100,7 @@ class PipelineWorker:
                                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=t.timeout_s))
         host_stages = [s for s in range(sched.stages) if self.job.offload.gradients_at(s)]
         self.comm = Communicator(sched, self.rank, tied_ranks(self.job).values(), t.timeout_s, self.name, t.comm_payload,
-                                 host_stages)
+                                 host_stages, t.p2p)
         self.stages = StageState(self.job, self.worker, self.dp_rank, self.device, self.comm)
         self.post = PostValidation(self.stages) if t.post_validate else None
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if t.amp and self.device.type == "cuda"
@@ -219,6 +219,8 @@ class PipelineWorker:
         """Finish a checkpoint write in progress; leave the process group; give Python its collector back."""
         if getattr(self, "checkpoints", None) is not None:
             self.checkpoints.close()
+        if getattr(self, "comm", None) is not None:
+            self.comm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         if getattr(self, "collector", None) is not None:

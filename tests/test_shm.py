@@ -1,0 +1,178 @@
+"""The shared-memory p2p transport (chimera.util.shm) between two forked processes: gloo's matching rules (the
+n-th receive gets the n-th message, whatever order the works are waited in), sends that never block when the ring
+is full, large messages left to gloo, and waits that end with an error naming what went wrong (a deadline, a peer
+that exited, two schedules that disagree). Whole runs go through it in every Ray and parity test (p2p auto)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from chimera.util import shm
+from chimera.util.shm import MAX_MESSAGE_BYTES, RING_BYTES, ShmChannels
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory p2p needs Linux on x86-64")
+
+PAIRS = [("pipe down", 0, 1), ("pipe down", 1, 0)]
+
+
+def _main(rank: int, fn: Callable[[int, ShmChannels], Any], init: str, q: Any) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+        chans = ShmChannels.open(rank, PAIRS, enabled=True)
+        q.put((rank, "ok", fn(rank, chans)))
+        chans.close()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
+    finally:
+        q.close()
+        q.join_thread()  # the result is out before the process ends
+        os._exit(0)  # no teardown that could wait on a peer that failed
+
+
+def _run(fn: Callable[[int, ShmChannels], Any], timeout: float = 60.0) -> dict[int, tuple[str, Any]]:
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    init = f"file://{tempfile.mkdtemp()}/rdv"
+    procs = [ctx.Process(target=_main, args=(r, fn, init, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in procs:
+            rank, status, value = q.get(timeout=timeout)
+            out[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def _ok(out: dict[int, tuple[str, Any]]) -> dict[int, Any]:
+    errors = [v for s, v in out.values() if s != "ok"]
+    assert not errors, errors
+    return {r: v for r, (_, v) in out.items()}
+
+
+def _sizes() -> list[int]:
+    # tiny, odd-sized, up to the largest shared-memory message: enough bytes to wrap the ring several times
+    return [1, 3, 17, 1000, 16 * 1024 + 5, MAX_MESSAGE_BYTES // 4 - 1, MAX_MESSAGE_BYTES // 4] * 6  # floats
+
+
+def _ordered(rank: int, chans: ShmChannels) -> Any:
+    sizes = _sizes()
+    assert sum(4 * n for n in sizes) > 3 * RING_BYTES
+    if rank == 0:
+        works = [chans.post("pipe down", 1, True, torch.full((n,), float(i), dtype=torch.float32))
+                 for i, n in enumerate(sizes)]
+        assert all(w is not None for w in works)
+        assert any(not w.done for w in works), "the ring never filled: the test does not reach pending sends"
+        for w in works:
+            w.wait(timedelta(seconds=30))
+        return None
+    time.sleep(0.5)  # the sender posts everything first: its ring fills, the rest waits in its pending queue
+    bufs = [torch.empty(n, dtype=torch.float32) for n in sizes]
+    works = [chans.post("pipe down", 0, False, b) for b in bufs]
+    for w in reversed(works):  # waited in reverse: still matched in posting order
+        w.wait(timedelta(seconds=30))
+    return [bool((b == float(i)).all()) for i, b in enumerate(bufs)]
+
+
+def test_messages_match_receives_in_posting_order_and_a_full_ring_does_not_block_the_sender():
+    got = _ok(_run(_ordered))
+    assert got[1] == [True] * len(_sizes())
+
+
+def _large_and_missing(rank: int, chans: ShmChannels) -> Any:
+    big = torch.zeros(MAX_MESSAGE_BYTES // 4 + 1)
+    return (chans.post("pipe down", 1 - rank, rank == 0, big) is None,  # over the limit: gloo's
+            chans.post("pipe up", 1 - rank, rank == 0, torch.zeros(2)) is None,  # no such channel: gloo's
+            len(chans.channels))
+
+
+def test_large_messages_and_channels_not_set_up_are_left_to_gloo():
+    got = _ok(_run(_large_and_missing))
+    assert got == {0: (True, True, 2), 1: (True, True, 2)}
+
+
+def _timeout(rank: int, chans: ShmChannels) -> Any:
+    if rank == 0:
+        time.sleep(1)  # past rank 1's deadline
+        return None
+    w = chans.post("pipe down", 0, False, torch.empty(4))
+    t0 = time.monotonic()
+    w.wait(timedelta(seconds=0.5))
+    return time.monotonic() - t0
+
+
+def test_a_receive_that_gets_nothing_fails_at_its_deadline():
+    out = _run(_timeout)
+    status, msg = out[1]
+    assert status == "error" and "timed out after 0.5 s" in msg, msg
+
+
+def _peer_exits(rank: int, chans: ShmChannels) -> Any:
+    if rank == 0:
+        return None  # the process ends (os._exit) without sending
+    w = chans.post("pipe down", 0, False, torch.empty(4))
+    t0 = time.monotonic()
+    try:
+        w.wait(timedelta(seconds=60))
+    except RuntimeError as e:
+        return str(e), time.monotonic() - t0
+    return "completed", 0.0
+
+
+def test_a_peer_that_exits_is_noticed_within_seconds_not_at_the_deadline():
+    out = _run(_peer_exits)
+    msg, waited = out[1][1]
+    assert "exited" in msg and waited < 5, (msg, waited)
+
+
+def _mismatch(rank: int, chans: ShmChannels) -> Any:
+    if rank == 0:
+        chans.post("pipe down", 1, True, torch.zeros(8)).wait(timedelta(seconds=10))
+        return None
+    chans.post("pipe down", 0, False, torch.empty(4)).wait(timedelta(seconds=10))
+
+
+def test_a_message_of_another_size_than_its_receive_is_refused_by_name():
+    status, msg = _run(_mismatch)[1]
+    assert status == "error" and "32 bytes, the receive posted for it 16" in msg, msg
+
+
+def _communicator(rank: int, chans: ShmChannels) -> Any:
+    from chimera.compile import compile_job
+    from chimera.config import TrainConfig
+    from chimera.runtime.comm import Communicator, Op
+    from chimera.util.shm import ShmWork
+
+    out = []
+    for p2p in ("auto", "gloo"):
+        job = compile_job(TrainConfig.from_flags(model="gpt2-tiny", schedule="chimera", stages=2, micro_batches=2,
+                                                 steps=1, corpus="synthetic", p2p=p2p))
+        comm = Communicator(job.schedule, rank, p2p=job.run.p2p)
+        w = comm.post([Op(rank == 0, torch.ones(4) if rank == 0 else torch.zeros(4), 1 - rank,
+                          comm.pipe_groups["up"])])[0]
+        comm.wait(w, "a test message")
+        out.append((sorted(comm.shm.channels), isinstance(w, ShmWork)))
+        comm.close()
+    return out
+
+
+def test_the_communicator_sets_up_a_channel_per_direction_and_pipe_and_none_with_p2p_gloo():
+    got = _ok(_run(_communicator))
+    pairs = [(f"pipe {p}", a, b) for p in ("down", "up") for a, b in ((0, 1), (1, 0))]
+    assert got[0] == got[1] == [(sorted(pairs), True), ([], False)]
