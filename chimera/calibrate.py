@@ -14,7 +14,8 @@ fixed cost is its interval less its sleeps: a worker that sleeps (waits on a dev
 pays more per action than one that never does (the wake-up, the cold caches: about 0.6 ms against 0.2 ms on the
 2-core development machine at 10-25 ms sleeps), so measure with sleeps like the actions to be predicted.
 
-Communication's own worker time is the comm profile's (``p2p_busy``, the ping-pong's fixed cost on the runtime's p2p), not
+Communication's own worker time is the comm profile's (``p2p_busy``, the ping-pong's fixed cost on the runtime's
+p2p), not
 measured here. The figure depends on the machine and its load: measure as training will run (as many workers at
 once on the machine).
 """

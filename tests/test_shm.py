@@ -176,3 +176,23 @@ def test_the_communicator_sets_up_a_channel_per_direction_and_pipe_and_none_with
     got = _ok(_run(_communicator))
     pairs = [(f"pipe {p}", a, b) for p in ("down", "up") for a, b in ((0, 1), (1, 0))]
     assert got[0] == got[1] == [(sorted(pairs), True), ([], False)]
+
+
+def _no_room(rank: int, chans: ShmChannels) -> Any:
+    import errno
+    import glob
+
+    if rank == 0:  # /dev/shm full for rank 0: its channel to rank 1 cannot be made
+        def full(fd: int, offset: int, size: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        shm.os.posix_fallocate = full  # type: ignore[attr-defined]
+    more = ShmChannels.open(rank, [("x", 0, 1), ("x", 1, 0)], enabled=True)
+    dist.barrier()
+    left = glob.glob("/dev/shm/chimera-*")
+    return sorted(more.channels), left
+
+
+def test_a_channel_that_cannot_be_made_is_left_to_gloo_on_both_ends_and_no_file_is_left_behind():
+    got = _ok(_run(_no_room))
+    assert got[0] == got[1] == ([("x", 1, 0)], [])

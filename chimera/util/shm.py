@@ -85,9 +85,14 @@ class Channel:
         size = _DATA + RING_BYTES
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
-            if create:
-                os.ftruncate(fd, size)
+            if create:  # the pages reserved now: a full /dev/shm fails here (gloo's then), not with SIGBUS later
+                os.posix_fallocate(fd, 0, size)
             self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
         finally:
             os.close(fd)
         self.path = path
