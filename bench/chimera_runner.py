@@ -21,7 +21,8 @@ from ray_launch.config import LaunchConfig
 from ray_launch.driver import RayJob
 
 
-def chimera_config(w: Workload, schedule: str, steps: int, options: dict[str, Any] | None = None) -> TrainConfig:
+def chimera_config(w: Workload, schedule: str, steps: int, options: dict[str, Any] | None = None,
+                   p2p: str = "auto") -> TrainConfig:
     """The chimera config for workload ``w`` (same model, split, B, N, optimizer and data as torch.pp).
 
     ``auto`` gets the delay model in 2·D blocks of tf/2 (the split torch.pp's two-stages-per-rank rows run), so
@@ -36,14 +37,16 @@ def chimera_config(w: Workload, schedule: str, steps: int, options: dict[str, An
                        schedule=schedule, stages=w.stages, **options,
                        micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
                        steps=steps, optimizer=w.optimizer, lr=1e-3, weight_decay=0.01, clip_grad=0.0, threads=1,
-                       seed=w.seed, timeout_s=120.0, corpus="synthetic")
+                       seed=w.seed, timeout_s=120.0, corpus="synthetic", p2p=p2p)
 
 
 class ChimeraRow:
     """A running chimera job for one schedule of a workload; a context manager."""
 
     def __init__(self, w: Workload, schedule: str, steps: int, options: dict[str, Any] | None = None) -> None:
-        self.job = RayJob(compile_job(chimera_config(w, schedule, steps, options)), LaunchConfig(connect_timeout_s=300.0),
+        base, _, p2p = schedule.partition("@")  # 1f1b@gloo: 1F1B with --p2p gloo
+        self.job = RayJob(compile_job(chimera_config(w, base, steps, options, p2p or "auto")),
+                          LaunchConfig(connect_timeout_s=300.0),
                           log=lambda msg: None)
         self.worker_times: list[float] = []
         choice = next((d for d in self.job.job.decisions if d.startswith("auto: ")), None)  # "auto: <flags>: ..."

@@ -6,7 +6,8 @@ starts, once, one torch.pp process group (gloo, torch.multiprocessing forkserver
 hosting GPipe, 1F1B, Interleaved1F1B, DualPipeV, ZBVZeroBubble, InterleavedZeroBubble and LoopedBFS, the
 last four with two stages per rank) and one chimera RayJob per schedule (Chimera, 1F1B, GPipe, and ``auto``,
 labelled with the schedule it chose) on one local Ray. Both sides use chimera's CPU allocator setting
-(``keep_freed_memory``). Each repetition then runs two steps of every row back to back, rows in an
+(``keep_freed_memory``). Where they differ: each side moves messages its own way, torch.pp through gloo and
+chimera through shared memory between processes of one host (its default ``--p2p auto``); the output says so. Each repetition then runs two steps of every row back to back, rows in an
 order rotated by one per repetition so drift hits all rows alike; the first ``--warmup`` repetitions are
 discarded.
 
@@ -73,16 +74,26 @@ def rows_of(w: Workload, only: set[str] | None = None) -> list[dict[str, Any]]:
     for name in [*CHIMERA_SCHEDULES, *extra]:  # --schedules may name any other registered schedule
         if only is not None and name not in only:
             continue
-        if name in ("chimera", "1f1b", "gpipe", "auto"):
-            split = f"{w.stages} (2/rank, replicas)" if name == "chimera" else f"{w.stages} (1/rank)"
+        base = row_p2p(name)[0]
+        if base in ("chimera", "1f1b", "gpipe", "auto"):
+            split = f"{w.stages} (2/rank, replicas)" if base == "chimera" else f"{w.stages} (1/rank)"
         else:
-            spec = schedule_spec(name)
+            spec = schedule_spec(base)
             parts, held = spec.parts(w.stages, {}), spec.shares * spec.chunks_of({})
             split = f"{parts} ({held}/rank{', replicas' if held > spec.chunks_of({}) else ''})"
         rows.append({"system": "chimera", "schedule": name, "split": split, "note": ""})
     for r in rows:
         r.update(workload=w.name, stages=w.stages, micro_batches=w.micro_batches, times=[])
     return rows
+
+
+def row_p2p(name: str) -> tuple[str, str]:
+    """A chimera row's schedule and p2p transport: ``1f1b@gloo`` runs 1F1B with ``--p2p gloo`` (the transport's
+    share of a row, side by side with the default's); without ``@``, the default (``auto``)."""
+    base, _, p2p = name.partition("@")
+    if p2p not in ("", "gloo"):
+        raise SystemExit(f"--schedules {name}: after '@' only 'gloo' (chimera's messages through gloo), got {p2p!r}")
+    return base, p2p or "auto"
 
 
 def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] | None = None,
@@ -119,8 +130,9 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
             r["peak_rss_mib"] = peak_rss_mib(runner.pids)
             if r["system"] == "chimera":
                 r["worker_step_s"] = statistics.median(runner.worker_times[warmup:])
-                r["predicted_step_s"] = predicted_step_s(w, "chimera", r["schedule"], runner.job.job.schedule,
-                                                         calibration, run=run)
+                # an @gloo row is not predicted: the calibration measured the default transport
+                r["predicted_step_s"] = None if "@" in r["schedule"] else predicted_step_s(
+                    w, "chimera", r["schedule"], runner.job.job.schedule, calibration, run=run)
                 if r["schedule"] == "auto":  # labelled with what it chose
                     r["schedule"] = f"auto: {runner.label}"
                     chosen = runner.job.job.schedule
@@ -182,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {', '.join(WORKLOADS)}")
     ap.add_argument("--schedules", default=None,
                     help="only these schedules, comma-separated (both systems; torch.pp 1f1b always runs: the reference; "
-                         "any other registered chimera schedule, e.g. bitpipe or zb-v, adds a chimera row)")
+                         "any other registered chimera schedule, e.g. bitpipe or zb-v, adds a chimera row; NAME@gloo "
+                         "adds chimera's NAME with its messages through gloo, e.g. 1f1b@gloo, not predicted)")
     ap.add_argument("--tf", type=float, default=None, help="delay model forward seconds per stage (default 0.05)")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="predict chimera rows from the schedule alone (no measured runtime costs)")
@@ -229,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     header = (f"# vs torch.distributed.pipelining: {reps} measured + {warmup} warm-up repetitions per row, "
-              f"{time.perf_counter() - t0:.0f} s")
+              f"{time.perf_counter() - t0:.0f} s; messages: torch.pp through gloo, chimera through shared memory "
+              "(its --p2p auto; gloo beyond 256 KiB)")
     table = format_table(all_rows)
     checks = targets(all_rows, tf=workloads[0].tf if workloads[0].is_delay else None)
     checks[:0] = calibrations

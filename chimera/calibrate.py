@@ -15,9 +15,8 @@ pays more per action than one that never does (the wake-up, the cold caches: abo
 2-core development machine at 10-25 ms sleeps), so measure with sleeps like the actions to be predicted.
 
 Communication's own worker time is the comm profile's (``p2p_busy``, the ping-pong's fixed cost on the runtime's
-p2p), not
-measured here. The figure depends on the machine and its load: measure as training will run (as many workers at
-once on the machine).
+p2p), not measured here. The figure depends on the machine and its load: measure as training will run (as many
+workers at once on the machine).
 """
 
 from __future__ import annotations

@@ -87,3 +87,18 @@ def test_every_bench_script_imports(script):
     """Every bench script and helper imports against today's package (their imports are at module level, so a
     renamed module or name fails here rather than twenty minutes into a benchmark)."""
     importlib.import_module(f"bench.{script}")
+
+
+def test_a_row_named_at_gloo_runs_its_schedule_with_messages_through_gloo():
+    from bench.chimera_runner import chimera_config
+    from bench.vs_torch_pipelining import row_p2p, rows_of
+    from bench.workloads import WORKLOADS
+
+    w = WORKLOADS["delay-d4-n4"]
+    assert row_p2p("1f1b@gloo") == ("1f1b", "gloo") and row_p2p("1f1b") == ("1f1b", "auto")
+    with pytest.raises(SystemExit, match="only 'gloo'"):
+        row_p2p("1f1b@nccl")
+    rows = {(r["system"], r["schedule"]): r for r in rows_of(w, {"1f1b", "1f1b@gloo"})}
+    assert rows[("chimera", "1f1b@gloo")]["split"] == rows[("chimera", "1f1b")]["split"]
+    assert compile_job(chimera_config(w, "1f1b", 6, p2p="gloo")).run.p2p == "gloo"
+    assert compile_job(chimera_config(w, "1f1b", 6)).run.p2p == "auto"
