@@ -5,7 +5,6 @@ that exited, two schedules that disagree). Whole runs go through it in every Ray
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import tempfile
 import time
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from chimera.util import shm
+from chimera.util.processes import LocalProcesses
 from chimera.util.shm import MAX_MESSAGE_BYTES, RING_BYTES, ShmChannels
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory p2p needs Linux on x86-64")
@@ -41,22 +41,15 @@ def _main(rank: int, fn: Callable[[int, ShmChannels], Any], init: str, q: Any) -
 
 
 def _run(fn: Callable[[int, ShmChannels], Any], timeout: float = 60.0) -> dict[int, tuple[str, Any]]:
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
+    """``fn(rank, channels)`` in two processes from the runtime's forkserver (as its workers start), over gloo."""
     init = f"file://{tempfile.mkdtemp()}/rdv"
-    procs = [ctx.Process(target=_main, args=(r, fn, init, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in procs:
-            rank, status, value = q.get(timeout=timeout)
+    out: dict[int, tuple[str, Any]] = {}
+    with LocalProcesses(_main, [(r, fn, init) for r in range(2)], RuntimeError, "test process") as procs:
+        for rank, status, value in procs.messages(timeout, lambda: f"ranks {sorted({0, 1} - set(out))}"):
             out[rank] = (status, value)
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+            if len(out) == 2:
+                procs.finished = True
+                break
     return out
 
 
@@ -196,3 +189,23 @@ def _no_room(rank: int, chans: ShmChannels) -> Any:
 def test_a_channel_that_cannot_be_made_is_left_to_gloo_on_both_ends_and_no_file_is_left_behind():
     got = _ok(_run(_no_room))
     assert got[0] == got[1] == ([("x", 1, 0)], [])
+
+
+def _background(rank: int, chans: ShmChannels) -> Any:
+    sizes = _sizes()
+    if rank == 0:  # posts more than the ring holds, then waits on gloo only: the pending sends go out meanwhile
+        works = [chans.post("pipe down", 1, True, torch.full((n,), float(i))) for i, n in enumerate(sizes)]
+        assert any(not w.done for w in works)
+        ack = torch.zeros(1)
+        dist.irecv(ack, 1).wait(timedelta(seconds=20))
+        return all(w.done for w in works)
+    time.sleep(0.3)
+    bufs = [torch.empty(n) for n in sizes]
+    for w in [chans.post("pipe down", 0, False, b) for b in bufs]:
+        w.wait(timedelta(seconds=15))
+    dist.send(torch.ones(1), 0)
+    return all(bool((b == float(i)).all()) for i, b in enumerate(bufs))
+
+
+def test_sends_beyond_a_full_ring_go_out_while_the_sender_waits_on_something_else():
+    assert _ok(_run(_background)) == {0: True, 1: True}

@@ -3,7 +3,9 @@
 A worker holds, for each of its stage replicas (both Chimera replicas), the parameters and the optimizer state
 for the whole step, and the gradients from the stage's first backward until the optimizer step. On top come
 what its schedule stashes for the backward (walked action by action: a forward stashes one unit per
-micro-batch, a backward releases it), the buffers of its messages, and the gradient sum's buffers. With the
+micro-batch, a backward releases it), the buffers of its messages (a send's until the peer has it, as on gloo and
+NCCL; same-host shared memory copies it when posted, so there the runtime holds less), and the gradient sum's
+buffers. With the
 optimizer state sharded (ZeRO-1, ``optimizer_owned``) only the owned share of a stage's state counts. The peak is
 taken over the worker's action list, so it follows the schedule's order exactly::
 

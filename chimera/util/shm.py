@@ -26,6 +26,7 @@ import os
 import platform
 import secrets
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -103,6 +104,7 @@ class Channel:
         self.words = (ctypes.c_int64 * (RING_BYTES // 8)).from_buffer(self.mm, _DATA)
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_DATA, count=RING_BYTES)
         self.pub_addr = ctypes.addressof(self.pub)
+        self.lock = threading.Lock()  # the sender's side: the main thread and the flusher write
         self.pending: deque[ShmWork] = deque()  # sends not yet written (ring full), in order
         self.posted: deque[ShmWork] = deque()  # receives posted, not yet filled, in order
 
@@ -131,9 +133,10 @@ class Channel:
 
     def flush(self) -> None:
         """Write the pending sends that now fit, in order."""
-        while self.pending and self.try_write(self.pending[0].src):
-            w = self.pending.popleft()
-            w.done, w.src = True, None
+        with self.lock:
+            while self.pending and self.try_write(self.pending[0].src):
+                w = self.pending.popleft()
+                w.done, w.src = True, None
 
     # -- receiver ----------------------------------------------------------------------------------
     def try_read(self, dst: torch.Tensor | None, nbytes: int) -> bool:
@@ -197,6 +200,8 @@ class ShmChannels:
     def __init__(self, rank: int, channels: dict[tuple[str, int, int], Channel]) -> None:
         self.rank = rank
         self.channels = channels
+        self._flusher: threading.Thread | None = None
+        self._closed = False
 
     @classmethod
     def open(cls, rank: int, pairs: Iterable[tuple[str, int, int]], enabled: bool) -> ShmChannels:
@@ -247,10 +252,12 @@ class ShmChannels:
             return None
         w = ShmWork(self, ch, is_send, tensor)
         if is_send:
-            if ch.pending or not ch.try_write(w.src):  # type: ignore[arg-type]
-                ch.pending.append(w)
-            else:
-                w.done, w.src = True, None
+            with ch.lock:
+                if ch.pending or not ch.try_write(w.src):  # type: ignore[arg-type]
+                    ch.pending.append(w)
+                    self._start_flusher()
+                else:
+                    w.done, w.src = True, None
         else:
             ch.posted.append(w)
         return w
@@ -293,13 +300,39 @@ class ShmChannels:
     def _any_pending(self) -> bool:
         return any(ch.pending for ch in self.channels.values())
 
+    def _start_flusher(self) -> None:
+        """Write the pending sends from a thread as their rings make room, whatever the main thread waits on (a
+        gradient sum, a gloo message): gloo's sends complete in the background too, and a schedule may rely on it."""
+        if self._flusher is None or not self._flusher.is_alive():
+            self._flusher = threading.Thread(target=self._flush_loop, name="chimera-shm-flush", daemon=True)
+            self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        while not self._closed:
+            self._flush_all()
+            if not self._any_pending():  # done, unless a send went pending meanwhile (posting holds its lock)
+                chans = list(self.channels.values())
+                for ch in chans:
+                    ch.lock.acquire()
+                try:
+                    if not self._any_pending():
+                        self._flusher = None
+                        return
+                finally:
+                    for ch in chans:
+                        ch.lock.release()
+            time.sleep(_POLL_S)
+
     def _flush_all(self) -> None:
         for ch in self.channels.values():
             if ch.pending:
                 ch.flush()
 
     def close(self) -> None:
-        """Unmap every channel."""
+        """Stop the flusher; unmap every channel."""
+        self._closed = True
+        if self._flusher is not None:
+            self._flusher.join(timeout=1.0)
         for ch in self.channels.values():
             ch.close()
         self.channels.clear()
