@@ -206,3 +206,24 @@ def _background(rank: int, chans: ShmChannels) -> Any:
 
 def test_sends_beyond_a_full_ring_go_out_while_the_sender_waits_on_something_else():
     assert _ok(_run(_background)) == {0: True, 1: True}
+
+
+def _receiver_blocked_elsewhere(rank: int, chans: ShmChannels) -> Any:
+    sizes = _sizes()
+    if rank == 0:  # waits until every send is written, which takes room rank 1 makes, then joins the sum
+        works = [chans.post("pipe down", 1, True, torch.full((n,), float(i))) for i, n in enumerate(sizes)]
+        for w in works:
+            w.wait(timedelta(seconds=15))
+        dist.all_reduce(torch.ones(1), async_op=True).wait(timedelta(seconds=30))
+        return True
+    bufs = [torch.empty(n) for n in sizes]
+    works = [chans.post("pipe down", 0, False, b) for b in bufs]  # posted, not waited: gloo would fill them now
+    with chans.background():  # as Communicator.wait does around a gloo wait
+        dist.all_reduce(torch.ones(1), async_op=True).wait(timedelta(seconds=30))
+    for w in works:
+        w.wait(timedelta(seconds=5))
+    return all(bool((b == float(i)).all()) for i, b in enumerate(bufs))
+
+
+def test_posted_receives_fill_while_the_receiver_blocks_on_gloo_so_its_peer_is_not_held_up():
+    assert _ok(_run(_receiver_blocked_elsewhere)) == {0: True, 1: True}

@@ -42,7 +42,7 @@ from chimera.job import Job
 from chimera.runtime.step_state import StepState
 from chimera.schedule import Action, Schedule
 from chimera.schedule.kinds import Msg, Res, message
-from chimera.util.shm import ShmChannels
+from chimera.util.shm import ShmChannels, ShmWork
 
 
 class StallError(RuntimeError):
@@ -225,6 +225,10 @@ class Communicator:
             return
         try:
             if self.backend == "gloo":
+                if self.shm is not None and not isinstance(work, ShmWork):
+                    with self.shm.background():  # shared-memory receives keep filling while this blocks
+                        work.wait(timedelta(seconds=self.timeout_s))
+                    return
                 work.wait(timedelta(seconds=self.timeout_s))
                 return
             deadline = time.monotonic() + self.timeout_s

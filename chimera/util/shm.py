@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -104,7 +104,7 @@ class Channel:
         self.words = (ctypes.c_int64 * (RING_BYTES // 8)).from_buffer(self.mm, _DATA)
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_DATA, count=RING_BYTES)
         self.pub_addr = ctypes.addressof(self.pub)
-        self.lock = threading.Lock()  # the sender's side: the main thread and the flusher write
+        self.lock = threading.RLock()  # the main thread and the background thread move the channel on
         self.pending: deque[ShmWork] = deque()  # sends not yet written (ring full), in order
         self.posted: deque[ShmWork] = deque()  # receives posted, not yet filled, in order
 
@@ -201,6 +201,7 @@ class ShmChannels:
         self.rank = rank
         self.channels = channels
         self._flusher: threading.Thread | None = None
+        self._armed = False  # the caller blocks elsewhere: the background thread reads too (background())
         self._closed = False
 
     @classmethod
@@ -264,14 +265,33 @@ class ShmChannels:
 
     def progress(self, ch: Channel) -> None:
         """Write what ``ch`` has pending and read what has arrived for its posted receives (never blocks)."""
-        if ch.pending:
-            ch.flush()
-        while ch.posted:
-            w = ch.posted[0]
-            if not ch.try_read(w.dst, w.nbytes):
-                break
-            ch.posted.popleft()
-            w.done = True
+        with ch.lock:
+            if ch.pending:
+                ch.flush()
+            while ch.posted:
+                w = ch.posted[0]
+                if not ch.try_read(w.dst, w.nbytes):
+                    break
+                ch.posted.popleft()
+                w.done = True
+
+    @contextlib.contextmanager
+    def background(self) -> Iterator[None]:
+        """While the caller blocks on something else (a gloo collective or message): the background thread also
+        reads what arrives for the posted receives, as gloo's transport thread fills a posted receive, so that a
+        peer whose sends wait for room in a ring is not held up by this rank's wait (nothing when no receive is
+        posted and no send pending)."""
+        chans = list(self.channels.values())
+        if not any(ch.posted or ch.pending for ch in chans):
+            yield
+            return
+        with self._all_locks():  # against the thread's exit check
+            self._armed = True
+            self._start_flusher()
+        try:
+            yield
+        finally:
+            self._armed = False
 
     def wait_for(self, w: ShmWork, deadline: float, limit: float) -> None:
         """Block until ``w`` is done (earlier receives on its channel are filled on the way)."""
@@ -307,21 +327,41 @@ class ShmChannels:
             self._flusher = threading.Thread(target=self._flush_loop, name="chimera-shm-flush", daemon=True)
             self._flusher.start()
 
+    def _idle(self) -> bool:
+        """Nothing for the background thread: no send pending, and no receive posted while armed."""
+        return not self._any_pending() and not (self._armed and any(ch.posted for ch in self.channels.values()))
+
+    @contextlib.contextmanager
+    def _all_locks(self) -> Iterator[None]:
+        chans = list(self.channels.values())
+        for ch in chans:
+            ch.lock.acquire()
+        try:
+            yield
+        finally:
+            for ch in chans:
+                ch.lock.release()
+
     def _flush_loop(self) -> None:
+        """The background thread: pending sends written as rings make room; while armed (:meth:`background`),
+        posted receives filled as messages arrive."""
         while not self._closed:
             self._flush_all()
-            if not self._any_pending():  # done, unless a send went pending meanwhile (posting holds its lock)
-                chans = list(self.channels.values())
-                for ch in chans:
-                    ch.lock.acquire()
-                try:
-                    if not self._any_pending():
+            waiting = None
+            if self._armed:
+                for ch in self.channels.values():
+                    if ch.posted:
+                        self.progress(ch)
+                        waiting = waiting or (ch if ch.posted else None)
+            if self._idle():  # done, unless re-armed or a send went pending since (both hold the locks)
+                with self._all_locks():
+                    if self._idle():
                         self._flusher = None
                         return
-                finally:
-                    for ch in chans:
-                        ch.lock.release()
-            time.sleep(_POLL_S)
+            if waiting is not None and not self._any_pending():
+                _futex(waiting.pub_addr, _FUTEX_WAIT, waiting.pub.value, _POLL_S)  # woken by its next message
+            else:
+                time.sleep(_POLL_S)
 
     def _flush_all(self) -> None:
         for ch in self.channels.values():
