@@ -40,12 +40,21 @@ def chimera_config(w: Workload, schedule: str, steps: int, options: dict[str, An
                        seed=w.seed, timeout_s=120.0, corpus="synthetic", p2p=p2p)
 
 
+def row_p2p(name: str) -> tuple[str, str]:
+    """A chimera row's schedule and p2p transport: ``1f1b@gloo`` runs 1F1B with ``--p2p gloo`` (the transport's
+    share of a row, side by side with the default's); without ``@``, the default (``auto``)."""
+    base, _, p2p = name.partition("@")
+    if p2p not in ("", "gloo"):
+        raise SystemExit(f"--schedules {name}: after '@' only 'gloo' (chimera's messages through gloo), got {p2p!r}")
+    return base, p2p or "auto"
+
+
 class ChimeraRow:
     """A running chimera job for one schedule of a workload; a context manager."""
 
     def __init__(self, w: Workload, schedule: str, steps: int, options: dict[str, Any] | None = None) -> None:
-        base, _, p2p = schedule.partition("@")  # 1f1b@gloo: 1F1B with --p2p gloo
-        self.job = RayJob(compile_job(chimera_config(w, base, steps, options, p2p or "auto")),
+        base, p2p = row_p2p(schedule)
+        self.job = RayJob(compile_job(chimera_config(w, base, steps, options, p2p)),
                           LaunchConfig(connect_timeout_s=300.0),
                           log=lambda msg: None)
         self.worker_times: list[float] = []

@@ -12,8 +12,8 @@ LoopedBFS) the compute order torch's schedule object itself runs (its ``pipeline
 
 Chimera rows are predicted with the runtime's own costs too (:class:`Calibration`, measured per workload once its
 rows' processes are up, so that their idle load is in it): the lowered schedule the job runs, every message the
-one-way time of a ping-pong between two processes of this machine over the runtime's p2p (shared memory) (and as much of the worker's time to post and
-complete), every gradient sum one such exchange, every compute action the runtime's fixed time per action of its
+one-way time of a ping-pong between two processes of this machine over the runtime's p2p (shared memory), and as
+much of the worker's time to post and complete it, every gradient sum one such exchange, every compute action the runtime's fixed time per action of its
 kind (:func:`chimera.calibrate.measure_action_costs`, its blocks sleeping like the rows' actions, up to 10 ms:
 beyond its sleeps), and every step what those 1F1B steps (run locally, whole and split backward) take beyond
 their simulation with those costs, charged to the optimizer step. torch.pp rows keep the schedule-only figure:
@@ -77,8 +77,8 @@ class Calibration:
 
     def text(self) -> str:
         per = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in self.fixed)
-        return (f"ping-pong one way on the runtime's p2p (shared memory; the link's limit) {self.p2p_s * 1e3:.3f} ms; runtime per action (ms): {per}; "
-                f"per step beyond its actions {self.step_s * 1e3:.3f} ms")
+        return (f"ping-pong one way on the runtime's p2p (shared memory; the link's limit) {self.p2p_s * 1e3:.3f} ms; "
+                f"runtime per action (ms): {per}; per step beyond its actions {self.step_s * 1e3:.3f} ms")
 
 
 def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | None = None,

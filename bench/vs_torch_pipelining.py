@@ -7,9 +7,9 @@ hosting GPipe, 1F1B, Interleaved1F1B, DualPipeV, ZBVZeroBubble, InterleavedZeroB
 last four with two stages per rank) and one chimera RayJob per schedule (Chimera, 1F1B, GPipe, and ``auto``,
 labelled with the schedule it chose) on one local Ray. Both sides use chimera's CPU allocator setting
 (``keep_freed_memory``). Where they differ: each side moves messages its own way, torch.pp through gloo and
-chimera through shared memory between processes of one host (its default ``--p2p auto``); the output says so. Each repetition then runs two steps of every row back to back, rows in an
-order rotated by one per repetition so drift hits all rows alike; the first ``--warmup`` repetitions are
-discarded.
+chimera through shared memory between processes of one host (its default ``--p2p auto``); the output says so.
+Each repetition then runs two steps of every row back to back, rows in an order rotated by one per repetition so
+drift hits all rows alike; the first ``--warmup`` repetitions are discarded.
 
 Step time, the same definition for both systems: each repetition runs one step and then ``--run-steps`` (5)
 consecutive steps; a row's step time is the mean of those, from all workers done with the first step to all
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from bench.chimera_runner import ChimeraRow, peak_rss_mib  # noqa: E402
+from bench.chimera_runner import ChimeraRow, peak_rss_mib, row_p2p  # noqa: E402
 from bench.predict import Calibration, predicted_step_s  # noqa: E402
 from bench.report import format_table, targets, write_results  # noqa: E402
 from bench.torchpp_runner import TORCH_SCHEDULES, TorchPPGroup  # noqa: E402
@@ -85,15 +85,6 @@ def rows_of(w: Workload, only: set[str] | None = None) -> list[dict[str, Any]]:
     for r in rows:
         r.update(workload=w.name, stages=w.stages, micro_batches=w.micro_batches, times=[])
     return rows
-
-
-def row_p2p(name: str) -> tuple[str, str]:
-    """A chimera row's schedule and p2p transport: ``1f1b@gloo`` runs 1F1B with ``--p2p gloo`` (the transport's
-    share of a row, side by side with the default's); without ``@``, the default (``auto``)."""
-    base, _, p2p = name.partition("@")
-    if p2p not in ("", "gloo"):
-        raise SystemExit(f"--schedules {name}: after '@' only 'gloo' (chimera's messages through gloo), got {p2p!r}")
-    return base, p2p or "auto"
 
 
 def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] | None = None,

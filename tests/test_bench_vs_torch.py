@@ -90,8 +90,8 @@ def test_every_bench_script_imports(script):
 
 
 def test_a_row_named_at_gloo_runs_its_schedule_with_messages_through_gloo():
-    from bench.chimera_runner import chimera_config
-    from bench.vs_torch_pipelining import row_p2p, rows_of
+    from bench.chimera_runner import chimera_config, row_p2p
+    from bench.vs_torch_pipelining import rows_of
     from bench.workloads import WORKLOADS
 
     w = WORKLOADS["delay-d4-n4"]

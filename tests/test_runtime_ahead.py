@@ -9,7 +9,7 @@ import torch
 from chimera.compile import compile_job
 from chimera.config import TrainConfig
 from chimera.models import build_stage
-from chimera.runtime.comm import AHEAD_BATCHES, AHEAD_BYTES, _ahead
+from chimera.runtime.batches import AHEAD_BATCHES, AHEAD_BYTES, _ahead
 from chimera.runtime.compute import StageCompute
 from chimera.runtime.executor import segments
 from chimera.runtime.step_state import StepState

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from chimera.runtime.comm import CommBatches
+from chimera.runtime.batches import CommBatches
 from chimera.runtime.handlers import Handler
 from chimera.runtime.ledger import MemoryLedger
 from chimera.runtime.step_state import StepState

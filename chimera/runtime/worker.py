@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from chimera.job import Job
 from chimera.offload.store import HostStore
+from chimera.runtime.batches import CommBatches
 from chimera.runtime.checkpoint import Checkpointer
-from chimera.runtime.comm import CommBatches, Communicator
+from chimera.runtime.comm import Communicator
 from chimera.runtime.compute import StageCompute
 from chimera.runtime.executor import Executor, segments
 from chimera.runtime.handlers import handlers_for, register_handler

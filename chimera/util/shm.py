@@ -7,8 +7,9 @@ shared-memory mapping, one per direction between two ranks that exchange activat
 sender copies the tensor in and wakes the receiver's futex; the receiver copies it out. One way costs ~0.02 ms.
 
 Rules (the same as gloo's for one channel): the n-th receive posted on a channel gets the n-th message sent on it,
-whatever order the works are waited in; a send never blocks (when the ring is full it is written later, from the
-sender's next post or wait); every wait has a deadline, and a peer that exits is noticed within a second.
+whatever order the works are waited in; a send never blocks (when the ring is full a background thread writes it
+as room frees); while the rank blocks on a gloo wait, that thread also fills its posted receives; every wait has a
+deadline, and a peer that exits is noticed within a second.
 Messages above ``MAX_MESSAGE_BYTES`` take gloo (both sides route by the tensor's size, so they agree).
 
 Linux on x86-64 only (futexes on a shared mapping, x86's store order: a reader that sees the ring's head sees the
@@ -43,7 +44,7 @@ RING_BYTES = 1024 * 1024
 _DATA = 256  # header: futex word @0, head @64, tail @128, sender pid @192, receiver pid @200
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
 _LIVENESS_S = 1.0  # a waiter checks that its peer process is alive this often
-_POLL_S = 0.0005  # a waiter with sends of its own not yet written retries them this often
+_POLL_S = 0.0005  # how often a full ring is retried (room freed wakes no one)
 
 
 def supported() -> bool:
