@@ -1,5 +1,6 @@
 """The planner: memory model, planned partition, candidate search and plan files, on profiles made of numbers."""
 
+import dataclasses
 import itertools
 import json
 
@@ -257,3 +258,17 @@ def test_memory_model_matches_what_the_runtime_holds(model):
     # ZeRO-1 (--shard-optimizer) over Chimera's two replicas of every stage: the state is held once, not twice
     assert abs(sum(held_state[True]) * 2 / sum(held_state[False]) - 1) <= 0.01, held_state
     assert all(0.4 <= a / b <= 0.6 for a, b in zip(held_state[True], held_state[False])), held_state
+
+
+def test_the_chosen_plan_and_the_refined_head_are_never_estimates():
+    """A first estimate leaves out what every lowered step pays (the optimizer step, the sums' worker time), so a
+    refined candidate can fall behind estimates: refining goes on until the first ``refine`` are all exact. Here a
+    heavy optimizer step, which no estimate counts, reorders the candidates."""
+    layers = [dataclasses.replace(layer(i, 0.002, 100_000, 1000, 100, SIZES), optimizer_s={"adamw": 0.05})
+              for i in range(4)]
+    prof = profile(layers, SIZES)
+    result = plan(prof, 2, global_batch=8, refine=2)
+    assert all(e.exact for e in result.ranked[:2])
+    exact = [e for e in result.ranked if e.exact]
+    assert result.ranked[0].step_s == min(e.step_s for e in exact)
+    assert len(exact) > 2  # the first refined pair fell behind estimates, so more were refined

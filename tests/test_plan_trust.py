@@ -1,7 +1,10 @@
 """How a profile was taken travels to the plan: the profile records how many processes ran at once
 (``--concurrent``; old files read 1), and ``chimera plan`` says plainly when that differs from the workers that
-will share a CPU machine (a ``trust`` line and field), which a job compiled from the plan carries to the run."""
+will share a CPU machine (a ``trust`` line and field), which a job compiled from the plan carries to the run. The
+profile and the plan are of the model training builds (the same default sequence length), and a plan made for
+other shapes is refused before training."""
 
+import argparse
 import dataclasses
 import json
 import os
@@ -9,8 +12,9 @@ import os
 import pytest
 
 from chimera.cli import main
+from chimera.cli.common import add_model_args, model_of
 from chimera.compile import compile_job
-from chimera.config import TrainConfig
+from chimera.config import ConfigError, TrainConfig
 from chimera.models import build_model
 from chimera.plan import PlanFile
 from chimera.plan.profiles import trust_note
@@ -97,3 +101,30 @@ def test_chimera_plan_refuses_bad_nodes_and_a_missing_profile(tmp_path, capsys):
     assert "--profile-file is required" in capsys.readouterr().err
     assert main(["plan", "--model", "bert-tiny", "--profile-file", "x.json", "--workers", "2", "--nodes", "3"]) == 2
     assert "need 1 <= --nodes <= --workers (2)" in capsys.readouterr().err
+
+
+def test_profile_and_plan_default_to_the_sequence_length_training_builds():
+    """Without --seq-len, chimera profile and chimera plan build the model training builds (its fingerprint): a
+    profile of another length times other shapes (the preset's 128 tokens took twice training's 64)."""
+    args = argparse.Namespace(model="bert-tiny", chain=None, seq_len=None, vocab_shards=1)
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    defaults = parser.parse_args(["--model", "bert-tiny"])
+    trained = compile_job(TrainConfig.from_flags(model="bert-tiny", steps=1, corpus="synthetic")).chain
+    assert model_of(defaults).fingerprint() == trained.fingerprint()
+    assert model_of(args).fingerprint() != trained.fingerprint()  # the preset's own length differs
+
+
+def test_a_plan_for_another_sequence_length_is_refused_before_training(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "bert-tiny", "--seq-len", "8", "--profile", _profile_of_bert(tmp_path, 2),
+                 "--workers", "2", "--global-batch", "8", "-o", str(out)]) == 0
+    assert PlanFile.load(out).tokens_per_sample == 8
+    with pytest.raises(ConfigError, match="at 8 tokens per sample and this run has 16: train with --seq-len 8, or "
+                                          "profile and plan again with --seq-len 16"):
+        compile_job(TrainConfig.from_flags(model="bert-tiny", seq_len=16, plan=str(out), steps=1, corpus="synthetic"))
+    saved = json.loads(out.read_text())
+    saved["tokens_per_sample"] = None  # a plan written before the field: the fingerprint still tells
+    out.write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match="whose layers or the shapes between them differ from this run's"):
+        compile_job(TrainConfig.from_flags(model="bert-tiny", seq_len=16, plan=str(out), steps=1, corpus="synthetic"))

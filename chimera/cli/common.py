@@ -7,7 +7,7 @@ from typing import Any
 
 from chimera.cli.options import UsageError, add_field
 from chimera.compile.model import load_chain
-from chimera.config import ConfigError
+from chimera.config import FIELDS, ConfigError
 from chimera.models import PRESETS, build_model
 
 
@@ -15,7 +15,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """``--model`` or ``--chain``, ``--seq-len`` and ``--vocab-shards``: the same flags as training's."""
     add_field(p, "model", default=None, help="preset model: " + ", ".join(sorted(PRESETS)))
     add_field(p, "chain", default=None)
-    add_field(p, "seq_len", default=None, help="sequence length of a transformer preset (default: the preset's)")
+    # training's default, so that a profile or plan taken without --seq-len is of the model training builds
+    add_field(p, "seq_len", default=FIELDS["seq_len"].default, help="sequence length of a transformer preset, as "
+              "training takes it")
     add_field(p, "vocab_shards", default=1)
 
 

@@ -68,7 +68,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result = plan(profile, args.workers, args.global_batch, limit, args.optimizer, args.top, stages=args.stages,
                       optimizer_owned=owned)
         trust = trust_note(profile, args.workers, args.nodes)
-        chosen = PlanFile.from_result(result, chain.name, profile.fingerprint, profile.device, trust=trust)
+        chosen = PlanFile.from_result(result, chain.name, profile.fingerprint, profile.device, trust=trust,
+                                      tokens_per_sample=chain.tokens_per_sample())
     except (ValueError, ProfileError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

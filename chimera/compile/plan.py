@@ -70,7 +70,7 @@ def apply_plan(cfg: TrainConfig, chain: Any, threads: int, log: Callable[[str], 
 
 def _from_file(cfg: TrainConfig, path: str, chain: Any) -> PlanFile:
     chosen = PlanFile.load(path)
-    chosen.check_model(chain.name)
+    chosen.check_model(chain)
     clash = [f"--{k.replace('_', '-')} {v} (the plan has {chosen.flags[k]})" for k, v in _fixed(cfg).items()
              if k in chosen.flags and chosen.flags[k] != v]
     if clash:
@@ -93,4 +93,5 @@ def _auto(cfg: TrainConfig, chain: Any, threads: int, log: Callable[[str], None]
     owned = owned_pricer(chain) if t.shard_optimizer else None  # sharded: priced as the job will be
     result = plan(prof, workers, global_batch, limit, t.optimizer, exchange=t.device != "cuda", fixed=fixed,
                   optimizer_owned=owned)
-    return PlanFile.from_result(result, chain.name, prof.fingerprint, prof.device)
+    return PlanFile.from_result(result, chain.name, prof.fingerprint, prof.device,
+                                tokens_per_sample=chain.tokens_per_sample())

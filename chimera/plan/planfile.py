@@ -39,10 +39,11 @@ class PlanFile:
     version: int = PLAN_VERSION
     ranked: list[dict[str, Any]] = field(default_factory=list)  # the runners-up, for the record
     trust: str = ""  # why the predictions may be off ("": the profile was taken as the workers will run)
+    tokens_per_sample: int | None = None  # the model's sequence length when planned (None: not token sequences)
 
     @staticmethod
     def from_result(result: PlanResult, model: str, fingerprint: str, device: str, keep: int = 10,
-                    trust: str = "") -> PlanFile:
+                    trust: str = "", tokens_per_sample: int | None = None) -> PlanFile:
         """The best candidate of ``result`` as a plan (PlanError when nothing fits); ``trust``: :attr:`trust`."""
         if not result.ranked:
             reasons = sorted({e.reason for e in result.infeasible if e.reason})[:5]
@@ -52,12 +53,24 @@ class PlanFile:
         return PlanFile(model, fingerprint, device, result.inputs["workers"], result.inputs["global_batch"],
                     result.inputs.get("memory_limit"), plan_flags(best), float(best.step_s or 0.0),
                     float(best.samples_per_s or 0.0), float(best.bubble or 0.0), int(best.peak_memory or 0),
-                    ranked=[summary(e) for e in result.ranked[:keep]], trust=trust)
+                    ranked=[summary(e) for e in result.ranked[:keep]], trust=trust,
+                    tokens_per_sample=tokens_per_sample)
 
-    def check_model(self, model: str) -> None:
-        """PlanError unless the plan was made for ``model``."""
-        if model != self.model:
-            raise PlanError(f"the plan is for model {self.model}, not {model}; plan this model with chimera plan")
+    def check_model(self, chain: Any) -> None:
+        """PlanError unless the plan was made for ``chain``: its name, and its layers and the shapes between them
+        (the profile's fingerprint: a plan's timings are of those shapes)."""
+        if chain.name != self.model:
+            raise PlanError(f"the plan is for model {self.model}, not {chain.name}; plan this model with chimera plan")
+        if chain.fingerprint() == self.fingerprint:
+            return
+        tokens = chain.tokens_per_sample()
+        if self.tokens_per_sample is not None and tokens is not None and tokens != self.tokens_per_sample:
+            raise PlanError(f"the plan was made for {self.model} at {self.tokens_per_sample} tokens per sample and "
+                            f"this run has {tokens}: train with --seq-len {self.tokens_per_sample}, or profile and "
+                            f"plan again with --seq-len {tokens}")
+        raise PlanError(f"the plan was made for a {self.model} whose layers or the shapes between them differ from "
+                        "this run's (another --seq-len, --vocab-shards or model definition); profile and plan again "
+                        "with the model flags you train with")
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

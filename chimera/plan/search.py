@@ -227,13 +227,22 @@ def _rank(order: Mapping[Candidate, tuple[int, int]]) -> Any:
 
 
 def _refine(pricer: _Pricer, result: PlanResult, order: Mapping[Candidate, tuple[int, int]], refine: int) -> None:
-    """The ``refine`` fastest estimates again with their partition searched on the lowered schedule; ranks."""
+    """The ``refine`` fastest estimates again with their partition searched on the lowered schedule; ranks. Until
+    the first ``refine`` of the ranking are all exact: a refined step counts what the estimate leaves out (the
+    messages' and sums' worker time, the optimizer's wait for the slowest stage), so it may rank behind estimates
+    that have yet to pay theirs, and a plan must not be chosen on an estimate."""
     rank = _rank(order)
     result.ranked.sort(key=rank)
-    head = [pricer.evaluate(e.candidate, pricer.schedule(e.candidate), rounds=4) for e in result.ranked[:refine]]
-    result.ranked[:len(head)] = [h for h in head if h.reason is None]
-    result.infeasible += [h for h in head if h.reason is not None]
-    result.ranked.sort(key=rank)
+    while True:
+        todo = [k for k, e in enumerate(result.ranked[:refine]) if not e.exact]
+        if not todo:
+            return
+        head = {k: pricer.evaluate(result.ranked[k].candidate, pricer.schedule(result.ranked[k].candidate), rounds=4)
+                for k in todo}
+        result.infeasible += [h for h in head.values() if h.reason is not None]
+        result.ranked = [head.get(k, e) for k, e in enumerate(result.ranked)]
+        result.ranked = [e for e in result.ranked if e.reason is None]
+        result.ranked.sort(key=rank)
 
 
 def _matches(c: Candidate, fixed: Mapping[str, Any], skip: tuple[str, ...]) -> bool:
