@@ -49,7 +49,7 @@ def test_trust_says_when_fewer_processes_ran_than_workers_share_a_cpu_machine():
     note = trust_note(synthetic(concurrent=1), workers=2, cores=2)
     assert "ran 1 process at once; 2 workers will share" in note and "under-predicted (by ~2x or more)" in note
     assert note.endswith("re-profile with chimera profile --concurrent 2")
-    assert "up to ~4x" in trust_note(synthetic(concurrent=2), workers=8, cores=8)
+    assert "by ~4x or more" in trust_note(synthetic(concurrent=2), workers=8, cores=8)
     assert trust_note(synthetic(concurrent=2), workers=2, cores=2) == ""  # taken as the workers will run
     assert trust_note(synthetic(concurrent=2, threads=2), workers=4, nodes=2, cores=4) == ""  # 2 per machine
     assert trust_note(synthetic(concurrent=1, device="cuda"), workers=8) == ""  # one GPU each: nothing shared
