@@ -56,7 +56,7 @@ def simulated(prof: Any, job: Any) -> Any:
     """The simulator's run of exactly this job (schedule, partition, recomputation, optimizer) under ``prof``."""
     t = job.run
     return simulate(job.schedule, simulator_costs(prof, job.stage_layers, job.unit_size, t.recompute, job.schedule,
-                                                  t.optimizer))
+                                                  t.optimizer, clip=t.clip_grad > 0))
 
 
 def predicted_step(chain: LayerChain, job: Any, reps: int, comm: Any) -> float:

@@ -272,3 +272,30 @@ def test_the_chosen_plan_and_the_refined_head_are_never_estimates():
     exact = [e for e in result.ranked if e.exact]
     assert result.ranked[0].step_s == min(e.step_s for e in exact)
     assert len(exact) > 2  # the first refined pair fell behind estimates, so more were refined
+
+
+def test_clipping_is_priced_in_every_optimizer_step():
+    """Training clips by the global gradient norm by default (--clip-grad 1.0): on CPU each worker's step pays
+    1.5 copies of the gradients it holds (the norms, the scaling) and, on every device, the norm's allreduce over
+    all ranks; chimera plan --clip-grad 0 prices none of it, and a negative value is refused."""
+    from chimera.cli import main
+    from chimera.plan.costs import CLIP_COPIES
+    from chimera.profile import Link
+
+    layers = [layer(i, 0.01, 4_000_000 if i == 0 else 1_000_000, 1000, 100, SIZES) for i in range(4)]
+    copy = Link(1e-5, 1e9)
+    cpu = dataclasses.replace(profile(layers, SIZES), host_out=copy)
+    sched = build_schedule("1f1b", 2, 4, data_parallel=2)
+    stage_layers = layers_of([1, 3])
+    plain = simulator_costs(cpu, stage_layers, 1, False, sched, "adamw")
+    clipped = simulator_costs(cpu, stage_layers, 1, False, sched, "adamw", clip=True)
+    norm = cpu.comm.allreduce[4].latency_s  # 2 stages x 2 groups
+    assert clipped.optimizer - plain.optimizer == pytest.approx(CLIP_COPIES * copy.time(4_000_000) + norm)
+    gpu = dataclasses.replace(cpu, device="cuda")
+    g = simulator_costs(gpu, stage_layers, 1, False, sched, "adamw", clip=True)
+    assert g.optimizer - simulator_costs(gpu, stage_layers, 1, False, sched, "adamw").optimizer == \
+        pytest.approx(norm)
+    with_clip, without = plan(cpu, 4, global_batch=16, clip=True), plan(cpu, 4, global_batch=16)
+    assert with_clip.ranked[0].step_s > without.ranked[0].step_s
+    assert main(["plan", "--model", "bert-tiny", "--profile-file", "p.json", "--workers", "2",
+                 "--clip-grad", "-1"]) == 2

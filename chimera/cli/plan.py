@@ -17,6 +17,7 @@ from chimera.cli.common import add_model_args, model_of
 from chimera.cli.options import UsageError, add_field, deprecated_alias
 from chimera.compile.names import choices
 from chimera.compile.shard import owned_pricer
+from chimera.config import FIELDS
 from chimera.plan import PlanError, PlanFile, plan
 from chimera.plan.planfile import summary
 from chimera.plan.profiles import trust_note
@@ -43,6 +44,8 @@ def add_parser(sub: Any, parser_class: type) -> None:
     p.add_argument("--global-batch", "-G", type=int, default=None, help="samples per step (N x B x W) (default: the "
                    "largest profiled micro-batch per worker)")
     add_field(p, "optimizer", default="lamb", help="optimizer whose state counts in memory", names_of=choices)
+    add_field(p, "clip_grad", default=FIELDS["clip_grad"].default, help="the --clip-grad training will use: above 0 "
+              "every optimizer step is priced with clipping by the global gradient norm (its passes, its allreduce)")
     add_field(p, "shard_optimizer", default=False, help="price every candidate with its optimizer state sharded over "
               "each stage's replicas (ZeRO-1, as training's --shard-optimizer assigns it: a worker counts only the "
               "state it owns; no offload), and record the flag in the plan file so that --plan FILE trains sharded")
@@ -58,6 +61,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError("--profile-file is required: the profile to plan from (chimera profile -o FILE)")
     if args.workers < 1 or args.top < 1 or (args.global_batch is not None and args.global_batch < 1):
         raise UsageError("--workers, --top and --global-batch must be >= 1")
+    if args.clip_grad < 0:
+        raise UsageError(f"--clip-grad {args.clip_grad}: give 0 (no clipping) or the norm training clips to")
     if not 1 <= args.nodes <= args.workers:
         raise UsageError(f"--nodes {args.nodes}: need 1 <= --nodes <= --workers ({args.workers})")
     chain = model_of(args)
@@ -66,7 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         limit = parse_bytes(args.memory_per_worker) if args.memory_per_worker else profile.device_memory_bytes
         owned = owned_pricer(chain) if args.shard_optimizer else None
         result = plan(profile, args.workers, args.global_batch, limit, args.optimizer, args.top, stages=args.stages,
-                      optimizer_owned=owned)
+                      optimizer_owned=owned, clip=args.clip_grad > 0)
         trust = trust_note(profile, args.workers, args.nodes)
         chosen = PlanFile.from_result(result, chain.name, profile.fingerprint, profile.device, trust=trust,
                                       tokens_per_sample=chain.tokens_per_sample())

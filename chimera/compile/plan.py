@@ -92,6 +92,6 @@ def _auto(cfg: TrainConfig, chain: Any, threads: int, log: Callable[[str], None]
     limit = parse_bytes(cfg.memory.memory_per_worker) if cfg.memory.memory_per_worker not in (None, "device") else None
     owned = owned_pricer(chain) if t.shard_optimizer else None  # sharded: priced as the job will be
     result = plan(prof, workers, global_batch, limit, t.optimizer, exchange=t.device != "cuda", fixed=fixed,
-                  optimizer_owned=owned)
+                  optimizer_owned=owned, clip=t.clip_grad > 0)
     return PlanFile.from_result(result, chain.name, prof.fingerprint, prof.device,
                                 tokens_per_sample=chain.tokens_per_sample())

@@ -15,7 +15,8 @@ on CPU, the adds of a worker's own ends and the copy of the sum back). A swap
 (offload) costs the profiled host <-> device copy of the stage's parameter bytes (free when the profile has no
 copy measurement); on GPU swap-ins run beside compute (a copy stream). On CPU (gloo), communication also takes
 the workers' own time: every send and receive the link's fixed cost, a gradient sum's packing and unpacking
-copies (:func:`_host_busy`).
+copies (:func:`_host_busy`). Where training clips by the global gradient norm (``clip``), the optimizer step
+also pays its passes over the gradients and its allreduce (:func:`_clip_s`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from chimera.schedule import Costs, Schedule
 
 #: copy passes of adding one buffer into another in place (read two, write one) and writing the result back
 SUM_COPIES = 2.5
+#: copy passes of clipping by the global gradient norm: a read for the norms, a read and a write for the scaling
+CLIP_COPIES = 1.5
 
 
 @dataclass(frozen=True)
@@ -62,14 +65,16 @@ def stage_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: i
 
 
 def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, recompute: bool,
-                    schedule: Schedule, optimizer: str | None = None, offload: Offload | None = None) -> Costs:
+                    schedule: Schedule, optimizer: str | None = None, offload: Offload | None = None,
+                    clip: bool = False) -> Costs:
     """The :class:`~chimera.schedule.Costs` of running ``schedule`` with this partition (module docstring).
 
     The simulator's compute costs are per micro-batch and scaled by the schedule's ``microbatch_scale``, so under
     backward halving (units of B/2) the cost of a unit is given times two. Without a communication profile
     messages and gradient sums are free (a lower bound). ``offload`` with packs: a packed stage's forward and
     backward include its pack swaps (:func:`_packed`). As the runtime splits a backward, the first stage's I is
-    empty and its W its whole backward (``Costs.first_stage_whole_backward``).
+    empty and its W its whole backward (``Costs.first_stage_whole_backward``). ``clip`` (training's
+    ``--clip-grad`` > 0): the optimizer step also clips by the global gradient norm (:func:`_clip_s`).
     """
     sc = stage_costs(profile, stage_layers, unit, recompute)
     if offload is not None and offload.weights and profile.host_in is not None:
@@ -78,6 +83,8 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     if optimizer is not None:  # every worker steps its stages' parameters; the step ends with the slowest
         stage_opt = [sum(profile.layers[i].optimizer_s.get(optimizer, 0.0) for i in layers) for layers in stage_layers]
         optimizer_s = max(sum(stage_opt[s] for _, s in schedule.stages_of(w)) for w in range(schedule.workers))
+        if clip:
+            optimizer_s += _clip_s(profile, sc, schedule)
     per_mb = float(1 / schedule.microbatch_scale)
     fwd, wgrad = [t * per_mb for t in sc.fwd], [t * per_mb for t in sc.wgrad]
     bwd = [t * per_mb - w for t, w in zip(sc.bwd, wgrad)]  # the input-gradient part: B costs bwd + wgrad
@@ -113,6 +120,20 @@ def _with_comm(base: Costs, profile: Profile, comm: CommProfile, stage_layers: S
     busy = _host_busy(copy, comm, sc, allreduce) if copy is not None else {}
     return replace(base, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes, p2p_bandwidth=comm.p2p.bandwidth_Bps,
                    allreduce=allreduce, optimizer=optimizer_s, **busy)
+
+
+def _clip_s(profile: Profile, sc: StageCosts, schedule: Schedule) -> float:
+    """Clipping by the global gradient norm in a worker's optimizer step: on CPU its passes over the gradients of
+    the stages it holds (:data:`CLIP_COPIES` host copies of their bytes; on a GPU device kernels, left out), and on
+    every device the norm's allreduce over all ranks (one number: the measured link's latency)."""
+    t = 0.0
+    if not profile.device.startswith("cuda") and profile.host_out is not None:
+        t += max(CLIP_COPIES * profile.host_out.time(sum(sc.param_bytes[s] for _, s in schedule.stages_of(w)))
+                 for w in range(schedule.workers))
+    ranks = schedule.workers * schedule.data_parallel
+    if profile.comm is not None and profile.comm.allreduce and ranks > 1:
+        t += _allreduce_link(profile, ranks).latency_s
+    return t
 
 
 def _host_copy(profile: Profile, comm: CommProfile) -> Link | None:

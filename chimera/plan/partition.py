@@ -279,7 +279,7 @@ def with_memory(part: PartitionResult, profile: Profile, schedule: Schedule, uni
 def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: bool, optimizer: str,
                    memory_limit: int | None = None, exchange: bool = True, rounds: int = 8,
                    simulated_up_to: int = 16, exact: bool = True, offload: Offload | None = None,
-                   owned: Owned | None = None, memory: bool = True) -> PartitionResult:
+                   owned: Owned | None = None, memory: bool = True, clip: bool = False) -> PartitionResult:
     """The partition of ``profile``'s layers into ``schedule.stages`` stages with the least simulated step time
     whose every worker fits ``memory_limit`` bytes (when no partition fits, the one that needs least memory; both
     exact up to ``ENUMERATED`` partitions with ``rounds`` > 0, beyond that a local search's best).
@@ -292,7 +292,8 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     ``owned`` (``--shard-optimizer``): each partition's memory counts only every worker's owned share of the
     optimizer state (:data:`chimera.plan.sharding.Owned`; its ValueError, where a partition cannot be sharded,
     propagates). ``memory`` False (a first estimate, ``rounds`` 0, of a candidate that surely fits): the step alone,
-    ``PartitionResult.memory`` empty (the memory walk is what it saves)."""
+    ``PartitionResult.memory`` empty (the memory walk is what it saves). ``clip``: the optimizer step clips by the
+    global gradient norm (training's ``--clip-grad`` > 0; :func:`chimera.plan.costs.simulator_costs`)."""
     d = schedule.stages
     compute_only = schedule.compute_only()
     offloaded = offload is not None and offload.optimizer
@@ -308,7 +309,7 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     def evaluate(sizes: list[int]) -> PartitionResult:
         layers = layers_of(sizes)
         own = owned(schedule, layers) if owned is not None else None
-        costs = simulator_costs(profile, layers, unit, recompute, schedule, optimizer, offload)
+        costs = simulator_costs(profile, layers, unit, recompute, schedule, optimizer, offload, clip)
         sim = simulate(timed, costs)
         tail = 0.0 if exact else max((costs.stage_value(costs.allreduce, s) for s in range(d)), default=0.0)
         step = float(sim.makespan) + tail

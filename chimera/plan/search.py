@@ -99,7 +99,7 @@ def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int], frames: dict[t
 def plan(profile: Profile, workers: int, global_batch: int | None = None, memory_limit: int | None = None,
          optimizer: str = "adamw", top: int = 10, exchange: bool | None = None, refine: int = 3,
          stages: int | None = None, fixed: Mapping[str, Any] | None = None, prune: bool = True,
-         optimizer_owned: Owned | None = None) -> PlanResult:
+         optimizer_owned: Owned | None = None, clip: bool = False) -> PlanResult:
     """Rank the configurations of ``profile``'s model on ``workers`` workers (module docstring).
 
     Every candidate is first estimated with its load-balanced partition (the compute-only schedule plus the
@@ -118,7 +118,8 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     ``optimizer_owned`` (``--shard-optimizer``, ZeRO-1; :func:`chimera.compile.shard.owned_pricer` makes it from the
     model): per schedule and partition, each worker's owned parameter bytes per stage, as training assigns them;
     every candidate is then priced with only its owned share of the optimizer state (one that cannot be sharded is
-    infeasible, with the reason) and none with offload, which sharding does not allow."""
+    infeasible, with the reason) and none with offload, which sharding does not allow. ``clip``: training clips by
+    the global gradient norm (``--clip-grad`` > 0, its default), which every optimizer step then pays."""
     fixed = dict(fixed or {})
     shard = sharding(optimizer_owned, fixed)
     if exchange is None:
@@ -149,7 +150,7 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
             bound, fits = bounds[key]
         pending.append((bound, i, c, fits))
     pending.sort(key=lambda x: x[:2])
-    pricer = _Pricer(profile, memory_limit, optimizer, exchange, prune, optimizer_owned)
+    pricer = _Pricer(profile, memory_limit, optimizer, exchange, prune, optimizer_owned, clip)
     with collector_paused(), contextlib.nullcontext() if prune else fresh_builds():
         order = _estimate(pricer, pending, result, fixed, top + refine)
         _price_deferred(pricer, result, order, top + refine, refine)
@@ -295,6 +296,7 @@ class _Pricer:
     exchange: bool
     prune: bool
     owned: Owned | None = None  # --shard-optimizer: each worker's owned parameter bytes per stage
+    clip: bool = False  # the optimizer step clips by the global gradient norm
     built: dict[tuple[Any, ...], Schedule] = field(default_factory=dict)
     priced: dict[tuple[Any, ...], list[tuple[Any, PartitionResult]]] = field(default_factory=dict)
 
@@ -314,7 +316,7 @@ class _Pricer:
         scale = sched.microbatch_scale
         binary = scale.numerator & (scale.numerator - 1) == 0 and scale.denominator & (scale.denominator - 1) == 0
         key = (tuple(sched.placement.items()), sched.data_parallel, sched.microbatches, None if binary else scale,
-               tuple(map(len, sched.actions)), c.unit, c.recompute, c.offload, rounds, exact)
+               tuple(map(len, sched.actions)), c.unit, c.recompute, c.offload, rounds, exact, self.clip)
         same = self.priced.setdefault(key, []) if self.prune else []
         for k, (actions, part) in enumerate(same):
             if actions == sched.actions:  # rows shared by builds of one order compare by identity
@@ -325,7 +327,7 @@ class _Pricer:
                 return part
         part = plan_partition(self.profile, sched, c.unit, c.recompute, self.optimizer, self.memory_limit,
                               self.exchange, rounds=rounds, exact=exact, offload=c.offload, owned=self.owned,
-                              memory=memory)
+                              memory=memory, clip=self.clip)
         same.append((sched.actions, part))
         return part
 
