@@ -3,7 +3,8 @@
 The planner estimates a candidate on its load-balanced partition (:func:`chimera.plan.partition.balanced`, one per
 recomputation setting: ``plan_partition``'s first pass starts and, with no rounds, stays there) as either
 
-* the compute-only makespan plus the largest stage's gradient sum (as it is, or recomputing), or
+* the compute-only makespan plus the largest stage's gradient sum and the optimizer step (as it is, or
+  recomputing), or
 * the lowered schedule's makespan (offloaded; the lowering starts a stage replica's gradient sum after its last
   backward on the worker and waits for it before the optimizer step),
 

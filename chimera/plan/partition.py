@@ -287,8 +287,8 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     Step 3 (``rounds`` of moves scored by simulation) runs up to ``simulated_up_to`` stages; deeper pipelines
     keep the load-balanced partition, whose step the simulator then predicts once. ``exact``: simulate the
     lowered schedule (messages as actions, gradient sums, optimizer); otherwise, for a quick first ranking, the
-    compute-only schedule (messages as delays) plus the largest stage's gradient sum, which the step's end waits
-    for. ``offload``: the schedule is lowered with its swaps (always: they decide memory) and priced with them.
+    compute-only schedule (messages as delays) plus the largest stage's gradient sum and the optimizer step, which
+    the step's end waits for. ``offload``: the schedule is lowered with its swaps (always: they decide memory) and priced with them.
     ``owned`` (``--shard-optimizer``): each partition's memory counts only every worker's owned share of the
     optimizer state (:data:`chimera.plan.sharding.Owned`; its ValueError, where a partition cannot be sharded,
     propagates). ``memory`` False (a first estimate, ``rounds`` 0, of a candidate that surely fits): the step alone,
@@ -311,7 +311,8 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
         own = owned(schedule, layers) if owned is not None else None
         costs = simulator_costs(profile, layers, unit, recompute, schedule, optimizer, offload, clip)
         sim = simulate(timed, costs)
-        tail = 0.0 if exact else max((costs.stage_value(costs.allreduce, s) for s in range(d)), default=0.0)
+        tail = 0.0 if exact else costs.optimizer + max((costs.stage_value(costs.allreduce, s) for s in range(d)),
+                                                       default=0.0)
         step = float(sim.makespan) + tail
         if not memory:
             return PartitionResult(list(sizes), step, float(sim.bubble), [])
