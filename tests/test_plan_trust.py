@@ -128,3 +128,17 @@ def test_a_plan_for_another_sequence_length_is_refused_before_training(tmp_path)
     out.write_text(json.dumps(saved))
     with pytest.raises(ConfigError, match="whose layers or the shapes between them differ from this run's"):
         compile_job(TrainConfig.from_flags(model="bert-tiny", seq_len=16, plan=str(out), steps=1, corpus="synthetic"))
+
+
+def test_a_run_that_clips_otherwise_than_the_plan_priced_is_told(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "bert-tiny", "--seq-len", "8", "--profile", _profile_of_bert(tmp_path, 2),
+                 "--workers", "2", "--global-batch", "8", "-o", str(out)]) == 0
+    assert PlanFile.load(out).clip_grad == 1.0  # training's default, priced
+    same = compile_job(TrainConfig.from_flags(model="bert-tiny", seq_len=8, plan=str(out), steps=1, corpus="synthetic"))
+    assert same.prediction is not None and same.prediction.trust == ""
+    other = compile_job(TrainConfig.from_flags(model="bert-tiny", seq_len=8, plan=str(out), steps=1, clip_grad=0.0,
+                                               corpus="synthetic"))
+    assert other.prediction is not None and other.prediction.trust == (
+        "the plan priced clipping by the global gradient norm and this run has --clip-grad 0: plan with "
+        "--clip-grad 0 for its step time")

@@ -74,7 +74,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       optimizer_owned=owned, clip=args.clip_grad > 0)
         trust = trust_note(profile, args.workers, args.nodes)
         chosen = PlanFile.from_result(result, chain.name, profile.fingerprint, profile.device, trust=trust,
-                                      tokens_per_sample=chain.tokens_per_sample())
+                                      tokens_per_sample=chain.tokens_per_sample(), clip_grad=args.clip_grad)
     except (ValueError, ProfileError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -59,12 +59,13 @@ def apply_plan(cfg: TrainConfig, chain: Any, threads: int, log: Callable[[str], 
         raise ConfigError(f"--plan {spec}: {e}") from None
     flags = {k: v for k, v in chosen.flags.items() if k in FIELDS}
     kept = sorted(_fixed(cfg))
+    trust = chosen.trust_for(cfg.training.clip_grad)
     why = (f"plan {spec}: {chosen.flags['schedule']}, D={chosen.flags['stages']}, W={chosen.flags['data_parallel']}, "
            f"B={chosen.flags['micro_batch_size']}, N={chosen.flags['micro_batches']}"
            + (f" (kept as given: {', '.join(kept)})" if kept else "")
-           + f"; predicted {chosen.predicted_step_s:.4g} s/step" + (f" (trust: {chosen.trust})" if chosen.trust else ""))
+           + f"; predicted {chosen.predicted_step_s:.4g} s/step" + (f" (trust: {trust})" if trust else ""))
     prediction = Prediction(chosen.predicted_step_s, f"plan {spec}", chosen.predicted_bubble,
-                            chosen.peak_memory_bytes, chosen.trust)
+                            chosen.peak_memory_bytes, trust)
     return _apply(cfg, flags), prediction, why
 
 
@@ -94,4 +95,4 @@ def _auto(cfg: TrainConfig, chain: Any, threads: int, log: Callable[[str], None]
     result = plan(prof, workers, global_batch, limit, t.optimizer, exchange=t.device != "cuda", fixed=fixed,
                   optimizer_owned=owned, clip=t.clip_grad > 0)
     return PlanFile.from_result(result, chain.name, prof.fingerprint, prof.device,
-                                tokens_per_sample=chain.tokens_per_sample())
+                                tokens_per_sample=chain.tokens_per_sample(), clip_grad=t.clip_grad)

@@ -40,10 +40,12 @@ class PlanFile:
     ranked: list[dict[str, Any]] = field(default_factory=list)  # the runners-up, for the record
     trust: str = ""  # why the predictions may be off ("": the profile was taken as the workers will run)
     tokens_per_sample: int | None = None  # the model's sequence length when planned (None: not token sequences)
+    clip_grad: float | None = None  # the --clip-grad the optimizer steps were priced with (None: not recorded)
 
     @staticmethod
     def from_result(result: PlanResult, model: str, fingerprint: str, device: str, keep: int = 10,
-                    trust: str = "", tokens_per_sample: int | None = None) -> PlanFile:
+                    trust: str = "", tokens_per_sample: int | None = None, clip_grad: float | None = None
+                    ) -> PlanFile:
         """The best candidate of ``result`` as a plan (PlanError when nothing fits); ``trust``: :attr:`trust`."""
         if not result.ranked:
             reasons = sorted({e.reason for e in result.infeasible if e.reason})[:5]
@@ -54,7 +56,16 @@ class PlanFile:
                     result.inputs.get("memory_limit"), plan_flags(best), float(best.step_s or 0.0),
                     float(best.samples_per_s or 0.0), float(best.bubble or 0.0), int(best.peak_memory or 0),
                     ranked=[summary(e) for e in result.ranked[:keep]], trust=trust,
-                    tokens_per_sample=tokens_per_sample)
+                    tokens_per_sample=tokens_per_sample, clip_grad=clip_grad)
+
+    def trust_for(self, clip_grad: float) -> str:
+        """:attr:`trust`, and whether a run with ``clip_grad`` clips where the plan priced it (or the reverse)."""
+        notes = [self.trust] if self.trust else []
+        if self.clip_grad is not None and (self.clip_grad > 0) != (clip_grad > 0):
+            priced = "clipping by the global gradient norm" if self.clip_grad > 0 else "no clipping"
+            notes.append(f"the plan priced {priced} and this run has --clip-grad {clip_grad:g}: plan with "
+                         f"--clip-grad {clip_grad:g} for its step time")
+        return "; ".join(notes)
 
     def check_model(self, chain: Any) -> None:
         """PlanError unless the plan was made for ``chain``: its name, and its layers and the shapes between them
