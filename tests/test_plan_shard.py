@@ -36,8 +36,8 @@ def _profile(chain):  # noqa: ANN001, ANN202
 
 def test_a_configuration_that_fits_only_sharded_is_planned_with_the_flag(tmp_path):
     """Chimera's fastest configuration at D = 4 (two replicas of every stage): at a budget halfway between its
-    sharded and unsharded peak it is first with --shard-optimizer and over the limit without; the plan file records the flag,
-    and the job built from it shards the optimizer state."""
+    sharded and unsharded peak it is first with --shard-optimizer and over the limit without; the plan file records
+    the flag, and the job built from it shards the optimizer state."""
     chain = preset_chain(BASE)
     prof = _profile(chain)
     owned = owned_pricer(chain)

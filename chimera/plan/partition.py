@@ -288,7 +288,8 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     keep the load-balanced partition, whose step the simulator then predicts once. ``exact``: simulate the
     lowered schedule (messages as actions, gradient sums, optimizer); otherwise, for a quick first ranking, the
     compute-only schedule (messages as delays) plus the largest stage's gradient sum and the optimizer step, which
-    the step's end waits for. ``offload``: the schedule is lowered with its swaps (always: they decide memory) and priced with them.
+    the step's end waits for. ``offload``: the schedule is lowered with its swaps (always: they decide memory) and
+    priced with them.
     ``owned`` (``--shard-optimizer``): each partition's memory counts only every worker's owned share of the
     optimizer state (:data:`chimera.plan.sharding.Owned`; its ValueError, where a partition cannot be sharded,
     propagates). ``memory`` False (a first estimate, ``rounds`` 0, of a candidate that surely fits): the step alone,

@@ -103,10 +103,11 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     """Rank the configurations of ``profile``'s model on ``workers`` workers (module docstring).
 
     Every candidate is first estimated with its load-balanced partition (the compute-only schedule plus the
-    largest gradient sum and the optimizer step); the best ``refine`` then get their partition refined and their step simulated on the
-    lowered schedule (``chimera.plan.partition``), and the list is ranked again (``Evaluated.exact`` tells the
-    two apart); equal steps keep the order of enumeration. ``stages`` fixes D (and so W = workers / D);
-    ``fixed``: training flags (``Candidate.flags`` names) every candidate must have, e.g.
+    largest gradient sum and the optimizer step); the best ``refine`` then get their partition refined and their
+    step simulated on the lowered schedule (``chimera.plan.partition``), until the first ``refine`` of the ranking
+    are all refined, and the list is ranked again (``Evaluated.exact`` tells the two apart); equal steps keep the
+    order of enumeration. ``stages`` fixes D (and so W = workers / D); ``fixed``: training flags
+    (``Candidate.flags`` names) every candidate must have, e.g.
     ``{"micro_batches": 8, "schedule": "chimera"}``. ``exchange``: whether a pair of replicas sums gradients by
     exchange (gloo; default: unless the profile was taken on a GPU).
 

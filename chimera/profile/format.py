@@ -197,8 +197,8 @@ class Profile:
         """Raise :class:`ProfileError` unless this profile describes ``chain`` (on ``device``, with ``versions``)."""
         if self.fingerprint != fingerprint(chain):
             raise ProfileError(f"the profile was taken for {self.model} with other layers than {chain.name} has now "
-                               "(layer count, parameters or shapes differ: another --seq-len or --vocab-shards?); profile again "
-                               "with the model flags you train with")
+                               "(layer count, parameters or shapes differ: another --seq-len or --vocab-shards?); "
+                               "profile again with the model flags you train with")
         if device is not None and self.device.split(":")[0] != device.split(":")[0]:
             raise ProfileError(f"the profile was taken on {self.device}, not {device}; profile on the device that "
                                "will train")
