@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     reps, warmup = (1, 1) if args.quick else (args.reps, args.warmup)
     only = {x.strip() for x in args.schedules.split(",") if x.strip()} if args.schedules else None
     known = {*TORCH_SCHEDULES, *CHIMERA_SCHEDULES, *SCHEDULES}
-    if only is not None and not {row_p2p(x)[0] for x in only} <= known:
-        bad = sorted(x for x in only if row_p2p(x)[0] not in known)
+    bad = sorted(x for x in only or () if row_p2p(x)[0] not in known)
+    if bad:
         ap.error(f"unknown schedule(s) {bad}; known: {', '.join(sorted(known))} (chimera's, also as NAME@gloo)")
     workloads = [WORKLOADS[n] for n in names]
     workloads = [w.with_plan(w.stages, 2 * w.stages) for w in workloads]  # planned splits (uniform: as is)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from chimera.plan.candidate import Evaluated, PlanResult
+from chimera.profile.format import fingerprint
 
 PLAN_VERSION = 1
 
@@ -72,7 +73,7 @@ class PlanFile:
         (the profile's fingerprint: a plan's timings are of those shapes)."""
         if chain.name != self.model:
             raise PlanError(f"the plan is for model {self.model}, not {chain.name}; plan this model with chimera plan")
-        if chain.fingerprint() == self.fingerprint:
+        if fingerprint(chain) == self.fingerprint:  # as Profile.check compares a profile with the chain
             return
         tokens = chain.tokens_per_sample()
         if self.tokens_per_sample is not None and tokens is not None and tokens != self.tokens_per_sample:
