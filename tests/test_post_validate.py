@@ -144,3 +144,44 @@ def test_simulator_prices_stage_updates():
     priced = simulate_steps(lowered, Costs(fwd=1, bwd=2, extra=(("stage_update", 5),)), steps=3)
     assert priced.makespan > free.makespan
     assert Costs(extra=(("stage_update", [3, 4]),)).of(lowered.actions[1][-2]) == 4  # worker 1: stage 1's update
+
+
+def test_memory_model_and_ledger_count_the_rollback_copies():
+    """Each stage update keeps its replica's weights and optimizer state until the step's end (the rollback copy):
+    the memory model prices the copies from the kinds table's STAGE_UPDATE row and the runtime's ledger measures them.
+    On bert-tiny they are the peak; a budget between the drained and the post-validated peak is refused with
+    --post-validate only, naming it."""
+    from chimera.compile.memory import BudgetError
+    from chimera.compile.model import preset_chain
+    from chimera.plan.memory import worker_memory
+    from chimera.profile.layers import profile_chain
+    from chimera.profile.shapes import shapes_profile
+
+    cfg = TrainConfig.from_flags(model="bert-tiny", micro_batch_size=2, seq_len=16, steps=2, optimizer="adamw",
+                                 corpus="synthetic", profile_memory=True, partition="uniform", p2p="gloo",
+                                 schedule="chimera", stages=2, micro_batches=4, post_validate=True, threads=1)
+    prof = profile_chain(preset_chain(cfg), [2], reps=1, warmup=0, threads=1)
+    peaks = {}
+    for pv in (True, False):
+        job = compile_job(cfg.with_flags(post_validate=pv))
+        measured = run_local(job).metrics[-1]["memory_peak_bytes"]  # step 1: the optimizer state exists
+        modelled = worker_memory(prof, job.schedule, job.stage_layers, job.unit_size, "adamw", False)
+        for w, (m, mm) in enumerate(zip(measured, modelled)):
+            assert abs(mm.total / m["total"] - 1) <= 0.08, (pv, w, m, mm)
+            if pv:  # every replica's copy at the peak: its weights and both AdamW moments (a 4-byte step apart)
+                # the sums' flat buffers released at their waits, before the updates; the peer's bucket, posted at the
+                # step's start, is counted for the whole step (measured: the model 2.8 % over)
+                assert 1 <= mm.total / m["total"] <= 1.04, (w, m, mm)
+                assert mm.rollback == mm.params + mm.optimizer, mm
+                assert abs(m["rollback"] - mm.rollback) <= 0.01 * mm.rollback, (w, m, mm)
+            else:
+                assert m["rollback"] == 0 and mm.rollback == 0, (m, mm)
+        peaks[pv] = (max(m["total"] for m in measured), max(
+            w.total for w in worker_memory(shapes_profile(job.chain, job.unit_size), job.schedule, job.stage_layers,
+                                           job.unit_size, "adamw", False)))
+    assert peaks[True][0] > 1.5 * peaks[False][0], peaks  # the copies move the peak, measured and modelled
+    assert peaks[True][1] > 1.5 * peaks[False][1], peaks
+    budget = (peaks[True][1] + peaks[False][1]) // 2
+    compile_job(cfg.with_flags(post_validate=False, memory_per_worker=str(budget)))
+    with pytest.raises(BudgetError, match="rollback copies .*no --post-validate"):
+        compile_job(cfg.with_flags(memory_per_worker=str(budget)))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from chimera.checkpoint import CheckpointError, complete, resume_point
-from chimera.compile.memory import Budget, BudgetError, MemoryVerdict, Shapes, budget_of, memory_verdict
+from chimera.compile.memory import Budget, BudgetError, Shapes, budget_of, memory_verdict
 from chimera.compile.model import VOCAB_SPLITS, Model, resolve_model, vocab_splittable
 from chimera.compile.names import check_names, choices
 from chimera.compile.partition import PartitionDecision, fixed_split, partition_pass
@@ -33,7 +33,7 @@ from chimera.job import CheckpointOptions, Job, RunOptions, TimelineOptions
 from chimera.models import ChainError, LayerChain
 from chimera.offload.policy import Offload
 from chimera.plan.partition import layers_of
-from chimera.schedule import Schedule, ScheduleError, post_validate, validate
+from chimera.schedule import ScheduleError, validate
 from chimera.timeline import tensorboard
 
 __all__ = ["Budget", "ConfigError", "Model", "PartitionDecision", "ScheduleDecision", "choices", "compile_job",
@@ -116,7 +116,7 @@ def _compile(cfg: TrainConfig, chain: LayerChain | None, data: Any, log: Callabl
     shards = shard_pass(cfg, model.chain, sched, part.stage_layers)
     verdict = memory_verdict(cfg, model.chain, sched, part.stage_layers, unit, budget, shapes, shards)
     try:
-        lowered = validate(_post_validated(cfg, verdict))
+        lowered = validate(verdict.lowered)
         boundaries = model.chain.boundaries(unit)
     except (ChainError, ScheduleError) as e:
         raise ConfigError(str(e)) from None
@@ -129,18 +129,6 @@ def _compile(cfg: TrainConfig, chain: LayerChain | None, data: Any, log: Callabl
         timeline=_timeline(cfg), checkpoint=_checkpoint(cfg), prediction=prediction,
         decisions=tuple(w for w in (plan_why, decision.why, verdict.why) if w), shards=shards)
     return _resume(cfg, job)
-
-
-def _post_validated(cfg: TrainConfig, verdict: MemoryVerdict) -> Schedule:
-    """The lowered schedule, its optimizer steps split into per-stage updates and a validation with
-    ``--post-validate``."""
-    if not cfg.training.post_validate:
-        return verdict.lowered
-    if verdict.offload.optimizer:
-        raise ConfigError(f"--post-validate does not combine with --offload {verdict.offload.text} yet; drop one")
-    if cfg.training.shard_optimizer:
-        raise ConfigError("--post-validate does not combine with --shard-optimizer yet; drop one")
-    return post_validate(verdict.lowered)
 
 
 def _planning_offload(cfg: TrainConfig, stages: int) -> Offload:

@@ -120,6 +120,8 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
                           "split backward (I, then W later) needs them twice: drop --offload-pack or --split-backward")
     split = any(a.kind.spec.part_of is not None for row in schedule.actions for a in row)
     offloads = _configured(cfg, schedule.stages, split, max(len(x) for x in stage_layers))
+    pv = _post_validated(cfg, offloads)
+    offloads = offloads[:1] if pv else offloads
     exchange = t.device == "cpu"
     owned = shards.per_worker(schedule) if shards is not None else None
     if budget.enforced:
@@ -127,7 +129,7 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
         try:
             off, lowered, mem = fit_offload(shapes.at(unit), schedule, stage_layers, unit, t.optimizer, t.recompute,
                                             budget.bytes, offloads, exchange=exchange, per_stage=m.offload == "auto",
-                                            optimizer_owned=owned)
+                                            optimizer_owned=owned, post_validated=pv)
         except OverBudget as e:
             raise BudgetError(f"--memory-per-worker {m.memory_per_worker}: {e}", e.least) from None
         except ValueError as e:
@@ -136,7 +138,7 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
         return MemoryVerdict(off, lowered, peak, _auto_why(off, peak, budget.bytes, m.prefetch) if m.offload == "auto"
                              else None)
     off = offloads[0]
-    lowered = lower(schedule, off)
+    lowered = lower(schedule, off, pv)
     if budget.bytes is None:
         return MemoryVerdict(off, lowered, None)
     mem = worker_memory(shapes.at(unit), lowered, stage_layers, unit, t.optimizer, t.recompute, exchange, offload=off,
@@ -148,10 +150,24 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
             f"--micro-batch-size {cfg.schedule.micro_batch_size} cannot fit: the memory model estimates "
             f"{peak.total / GiB:.2f} GiB at worker {worst}'s peak (parameters {peak.params / GiB:.2f}, optimizer "
             f"{peak.optimizer / GiB:.2f}, gradients {peak.grads / GiB:.2f}, activations {peak.activations / GiB:.2f}, "
-            f"messages {peak.messages / GiB:.2f}, gradient sums {peak.sync / GiB:.2f} GiB) but a worker has "
+            f"messages {peak.messages / GiB:.2f}, gradient sums {peak.sync / GiB:.2f}, rollback copies "
+            f"{peak.rollback / GiB:.2f} GiB) but a worker has "
             f"{budget.bytes / GiB:.2f} GiB ({budget.source}); lower --micro-batch-size, add --recompute or more "
             "--stages, or set --memory-per-worker", peak.total)
     return MemoryVerdict(off, lowered, peak)
+
+
+def _post_validated(cfg: TrainConfig, offloads: Sequence[Offload]) -> bool:
+    """Whether the steps are post-validated (``--post-validate``); ConfigError where the configuration cannot be:
+    the optimizer state offloaded or sharded (``--offload auto`` then keeps everything on the device)."""
+    t = cfg.training
+    if not t.post_validate:
+        return False
+    if offloads[0].optimizer:
+        raise ConfigError(f"--post-validate does not combine with --offload {cfg.memory.offload} yet; drop one")
+    if t.shard_optimizer:
+        raise ConfigError("--post-validate does not combine with --shard-optimizer yet; drop one")
+    return True
 
 
 def _auto_why(off: Offload, peak: WorkerMemory, budget: int, prefetch: int) -> str:
@@ -182,6 +198,7 @@ def exclude_over_budget(cfg: TrainConfig, ranked: Sequence[Choice], split: Calla
         return list(ranked)
     t, m = cfg.training, cfg.memory
     tries = _configured(cfg, cfg.schedule.stages) if budget.enforced else [None]
+    tries = tries[:1] if t.post_validate else tries  # no offload combines with it (memory_verdict says so)
     for off in tries:
         over: dict[str, str] = {}
         for c in (c for c in ranked if c.fits):
@@ -193,7 +210,7 @@ def exclude_over_budget(cfg: TrainConfig, ranked: Sequence[Choice], split: Calla
             unit = int(cfg.schedule.micro_batch_size * sched.microbatch_scale)
             try:
                 own = owned(sched) if owned is not None else None
-                mem = worker_memory(shapes.at(unit), lower(sched, off), split(sched.stages), unit, t.optimizer,
+                mem = worker_memory(shapes.at(unit), lower(sched, off, t.post_validate), split(sched.stages), unit, t.optimizer,
                                     t.recompute, t.device != "cuda", offload=off, optimizer_owned=own)
             except ValueError as e:
                 over[c.label] = str(e)

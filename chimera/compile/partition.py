@@ -57,7 +57,7 @@ def partition_pass(cfg: TrainConfig, chain: Any, schedule: Schedule, unit: int, 
         prof = cached_profile(chain, [unit], t.device, threads, sharing(world, t.device),
                               comm=local_comm(world, t.device), progress=log)
         part = plan_partition(prof, schedule, unit, t.recompute, t.optimizer, limit, exchange=t.device != "cuda",
-                              offload=offload, clip=t.clip_grad > 0)
+                              offload=offload, clip=t.clip_grad > 0, post_validated=t.post_validate)
     except (ValueError, ProfileError) as e:
         raise ConfigError(f"--partition planned: {e}") from None
     source = f"{prof.model} on {prof.device}, {prof.threads} thread(s), partition {','.join(map(str, part.sizes))}"

@@ -22,6 +22,7 @@ from chimera.offload.policy import Offload
 from chimera.schedule.ir import Action, Schedule, _replace
 from chimera.schedule.kinds import SPECS, Kind, Res
 from chimera.schedule.lowering import lower as lower_comm
+from chimera.schedule.lowering import post_validate
 
 
 def add_offload(schedule: Schedule, offload: Offload) -> Schedule:
@@ -77,7 +78,13 @@ def _offload_row(row: tuple[Action, ...], offload: Offload) -> list[Action]:
     return out
 
 
-def lower(schedule: Schedule, offload: Offload | None = None) -> Schedule:
-    """All lowering passes: p2p, gradient sync, optimizer step, then the swaps of ``offload`` if given."""
+def lower(schedule: Schedule, offload: Offload | None = None, post_validated: bool = False) -> Schedule:
+    """All lowering passes: p2p, gradient sync, optimizer step, then the swaps of ``offload`` if given; with
+    ``post_validated`` the optimizer step split into per-stage updates and a validation last
+    (:func:`chimera.schedule.lowering.post_validate`; ValueError with an offload that moves the optimizer state)."""
     lowered = lower_comm(schedule)
-    return add_offload(lowered, offload) if offload is not None else lowered
+    if post_validated and offload is not None and offload.optimizer:
+        raise ValueError(f"post-validated steps keep every stage's optimizer state on the device, but --offload "
+                         f"{offload.text} moves it to the host: drop one")
+    lowered = add_offload(lowered, offload) if offload is not None else lowered
+    return post_validate(lowered) if post_validated else lowered

@@ -59,18 +59,20 @@ def available_memory(device: str, workers: int) -> tuple[int, str] | None:
 def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
                 optimizer: str, recompute: bool, budget: int, offloads: Sequence[Offload] | None = None,
                 exchange: bool = True, per_stage: bool = False,
-                optimizer_owned: Sequence[Mapping[int, int]] | None = None
+                optimizer_owned: Sequence[Mapping[int, int]] | None = None, post_validated: bool = False
                 ) -> tuple[Offload, Schedule, list[WorkerMemory]]:
     """The first of ``offloads`` (least offload first; default: every level of the ladder for every stage) whose
     every worker fits ``budget`` bytes, the compute-only ``schedule`` lowered with it, and the workers' peaks;
     :class:`OverBudget` naming the bytes needed against the budget and what to change when none fits. ``per_stage``: then
     the least offload per stage that fits (each worker by the policies of the stages it holds, none above the
     first uniform policy that fits; see :func:`_least_per_stage`). ``optimizer_owned``: the sharded optimizer
-    state's shares (:func:`worker_memory`; not with ``per_stage``)."""
+    state's shares (:func:`worker_memory`; not with ``per_stage``). ``post_validated``: lowered with post-validated
+    steps (:func:`chimera.offload.lowering.lower`), whose rollback copies count; no offload then moves the
+    optimizer state."""
     offloads = list(offloads) if offloads is not None else [Offload.uniform(lv) for lv in ladder()]
     tried, least = [], None
     for k, off in enumerate(offloads):
-        lowered = lower(schedule, off)
+        lowered = lower(schedule, off, post_validated)
         mem = worker_memory(profile, lowered, stage_layers, unit, optimizer, recompute, exchange, offload=off,
                             optimizer_owned=optimizer_owned)
         w = max(range(len(mem)), key=lambda i: mem[i].total)
@@ -85,13 +87,17 @@ def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Seq
         least = m.total if least is None else min(least, m.total)
         tried.append(f"--offload {off.describe()}: {m.total} bytes ({m.total / 2**20:.1f} MiB) on worker {w}: parameters "
                      f"{m.params}, optimizer state {m.optimizer}, gradients {m.grads}, activations {m.activations}, "
-                     f"messages {m.messages}, gradient sums {m.sync}")
+                     f"messages {m.messages}, gradient sums {m.sync}" +
+                     (f", rollback copies {m.rollback}" if m.rollback else ""))
     last = offloads[-1]
     top = max(s.level.amount for s in last.stages)
     more = [lv for lv in ladder() if lv.amount > top]
     packed = any(s.pack for s in last.stages)
     hint = f"--offload {more[-1].name} or auto, " if more else ("--offload-pack 1 (weights in packs of layers), "
                                                                 if not packed else "a smaller --offload-pack, ")
+    if post_validated:  # no offload combines with it
+        hint = ("no --post-validate (it keeps a copy of every stage's weights and optimizer state from the stage's "
+                "update to the step's end, and no offload combines with it), ")
     raise OverBudget(f"the configuration needs more than the budget of {budget} bytes ({budget / 2**20:.1f} MiB) per "
                      f"worker: {'; '.join(tried)}. Change: {hint}more stages (--stages), --recompute, a smaller "
                      "--micro-batch-size or --prefetch, or a larger --memory-per-worker", least or 0)

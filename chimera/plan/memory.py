@@ -5,8 +5,9 @@ for the whole step, and the gradients from the stage's first backward until the 
 what its schedule stashes for the backward (walked action by action: a forward stashes one unit per
 micro-batch, a backward releases it), the buffers of its messages (a send's until the peer has it, as on gloo and
 NCCL; same-host shared memory copies it when posted, so there the runtime holds less), and the gradient sum's
-buffers. With the
-optimizer state sharded (ZeRO-1, ``optimizer_owned``) only the owned share of a stage's state counts. The peak is
+buffers. With post-validated steps (a schedule lowered with STAGE_UPDATE actions) each update keeps a copy of its
+stage's weights and optimizer state until the step's end (``rollback``). With the optimizer state sharded (ZeRO-1,
+``optimizer_owned``) only the owned share of a stage's state counts. The peak is
 taken over the worker's action list, so it follows the schedule's order exactly::
 
     mem = worker_memory(profile, compute_only_schedule, stage_layers, unit=4, optimizer="adamw", recompute=False)
@@ -14,8 +15,9 @@ taken over the worker's action list, so it follows the schedule's order exactly:
 
 Per unit and stage: without recomputation the stash is what the stage's layers save for the backward
 (``stash_bytes``); with it, the stage's input (and, while one backward recomputes, that unit's full stash).
-Gradient sums: a flat copy of the stage's gradients from the sum's start to the optimizer step, and on gloo
-for a pair of replicas also the peer's bucket, received into a buffer posted when the step starts.
+Gradient sums: a flat copy of the stage's gradients from the sum's start to its wait (which writes the sum back
+into the gradients), and on gloo for a pair of replicas also the peer's bucket, received into a buffer posted when
+the step starts (counted for the whole step: the runtime frees it at the wait).
 
 With offload (a schedule lowered with ``Offload``), for every stage by that stage's policy, the device holds no
 optimizer state, gradients only from a backward to their GRAD_OUT (gradient sums then run over host buffers), and,
@@ -47,10 +49,11 @@ class WorkerMemory:
     activations: int
     messages: int
     sync: int
+    rollback: int = 0  # post-validated updates: the copies of the updated stages' weights and optimizer state
 
     @property
     def total(self) -> int:
-        return self.params + self.optimizer + self.grads + self.activations + self.messages + self.sync
+        return self.params + self.optimizer + self.grads + self.activations + self.messages + self.sync + self.rollback
 
 
 @dataclass(frozen=True)
@@ -98,13 +101,13 @@ def _stages(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, 
 class MemoryWalk:
     """What a schedule's order implies for memory, whatever the partition: for every worker, the distinct states
     its action list passes through, as counts per stage it holds (units stashed, gradients allocated, a
-    recomputation's transient units, messages out and in, a flat gradient copy). Walked once per schedule; a
-    partition is then priced by a dot product per state."""
+    recomputation's transient units, messages out and in, a flat gradient copy, weights resident, a rollback copy).
+    Walked once per schedule; a partition is then priced by a dot product per state."""
 
     def __init__(self, schedule: Schedule) -> None:
         self.workers = [self._walk(schedule, w) for w in range(schedule.workers)]
         #: per worker, each state's counts but the last (what a stage computes now) as one tuple
-        self.flat = [[sum(state[:7], ()) for state in states] for _, _, states in self.workers]
+        self.flat = [[sum(state[:8], ()) for state in states] for _, _, states in self.workers]
 
     @staticmethod
     def _walk(schedule: Schedule, w: int) -> tuple[list[int], list[int], list[tuple[tuple[int, ...], ...]]]:
@@ -125,7 +128,7 @@ class MemoryWalk:
             return tuple(v if i == k else x for i, x in enumerate(vec))
 
         live = [0] * n
-        grads, flats = zero, zero
+        grads, flats, saved = zero, zero, zero
         row = schedule.actions[w]
         leaving = {k for k, spec in SPECS.items() if spec.memory.resident is False}
         evicted = {(a.pipe, a.stage) for a in row if a.kind in leaving}  # start off device
@@ -148,7 +151,7 @@ class MemoryWalk:
                 info = shapes[shape] = None if k is None else (k, e[0] * a.count, *e[1:])
             if info is None:
                 continue
-            k, change, g, flat, res, peak, recompute, out, inn, pack = info
+            k, change, g, flat, res, peak, recompute, out, inn, pack, keep = info
             if change > 0:
                 live[k] += change
             if g and not grads[k]:
@@ -160,18 +163,24 @@ class MemoryWalk:
             if res and not resident[k]:
                 resident = put(resident, k, 1)
                 rest_of = {}
+            if keep and not saved[k]:
+                saved = put(saved, k, 1)
+                rest_of = {}
             if peak:
                 r = rest_of.get(shape)
                 if r is None:
                     c = at(k, a.count)
                     rest = (grads, c if recompute else zero, c if out else zero, c if inn else zero, flats, resident,
-                            at(k, 1) if pack else zero)
+                            saved, at(k, 1) if pack else zero)
                     r = rest_of[shape] = rests.setdefault(rest, len(rests))
                 seen[(tuple(live), r)] = None
             if change < 0:
                 live[k] += change
             if g is False and grads[k]:
                 grads = put(grads, k, 0)
+                rest_of = {}
+            if flat is False and flats[k]:
+                flats = put(flats, k, 0)
                 rest_of = {}
             if res is False and resident[k]:
                 resident = put(resident, k, 0)
@@ -182,17 +191,19 @@ class MemoryWalk:
         for live_at, r in seen:
             states.add((live_at, *by_index[r]))
         if not schedule.lowered:  # the step's end: every stage's gradient sum started (a lowered list says when)
-            states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident, zero))
+            states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident, zero,
+                        zero))
         return held, groups, _maximal(states)
 
 
 def _effect(kind: Kind) -> tuple[Any, ...]:
     """What an action of ``kind`` does to memory, flat: activation change per unit, gradients, flat buffer,
-    residency (True: on, False: off, None: no change), whether it can be the peak, its transients."""
+    residency (True: on, False: off, None: no change), whether it can be the peak, its transients, whether it keeps a
+    rollback copy."""
     m = SPECS[kind].memory
     t = m.transient
     return (activation_change(kind), m.grads, m.flat, m.resident, m.peak, "recompute" in t, "out" in t, "in" in t,
-            "pack" in t)
+            "pack" in t, m.saved)
 
 
 def _maximal(states: set[tuple[tuple[int, ...], ...]]) -> list[tuple[tuple[int, ...], ...]]:
@@ -255,8 +266,8 @@ def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[S
 
 def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
                    optimizer: str, exchange: bool = True) -> int:
-    """Bytes no worker exceeds in any order of ``frame``'s actions, compute-only or lowered, without recomputation
-    or offload (its placement and units are read, not its actions: a frame will do): :func:`worker_memory`'s
+    """Bytes no worker exceeds in any order of ``frame``'s actions, compute-only or lowered, without recomputation,
+    offload or post-validation (its placement and units are read, not its actions: a frame will do): :func:`worker_memory`'s
     pricing of one state holding every unit of every stage it holds stashed, every gradient, every gradient sum's
     buffer and every unit's messages at once. Every state an order passes through has each count at most that,
     and the pricing only grows with each count, so the peak is at most this."""
@@ -269,7 +280,7 @@ def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Seq
         groups = [frame.stage_group_size(s) for s in held]
         units = tuple(frame.pipe_microbatches(p) * most for p, _ in pairs)
         ones, zero = (1,) * len(held), (0,) * len(held)
-        state = (units, ones, zero, units, units, tuple(int(g > 1) for g in groups), ones, zero)
+        state = (units, ones, zero, units, units, tuple(int(g > 1) for g in groups), ones, zero, zero)
         out = max(out, _worker(held, groups, [state], stages, exchange, Offload()).total)
     return out
 
@@ -277,7 +288,7 @@ def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Seq
 def _worker(held: list[int], groups: list[int], states: Sequence[tuple[tuple[int, ...], ...]], stages: list[_Stage],
             exchange: bool, offload: Offload, flat: Sequence[tuple[int, ...]] | None = None,
             owned: Mapping[int, int] | None = None) -> WorkerMemory:
-    """The peak of one worker over its ``states`` (``flat``: the same states as one tuple of their first seven
+    """The peak of one worker over its ``states`` (``flat``: the same states as one tuple of their first eight
     counts each, :attr:`MemoryWalk.flat`, which prices them faster where no stage moves weights in packs;
     ``owned``: ZeRO-1's owned parameter bytes per stage)."""
     st = [stages[s] for s in held]
@@ -291,9 +302,10 @@ def _worker(held: list[int], groups: list[int], states: Sequence[tuple[tuple[int
     extra = [x.full_stash if x.stash != x.full_stash else 0 for x in st]  # a recomputing backward's transient
     packed = [offload.packed_at(s) for s in held]
     summed = [x.bucket if n > 1 and d else 0 for x, n, d in zip(st, groups, device_sync)]
+    copies = [x.params + x.optimizer for x in st]  # post-validation keeps the whole state (no sharding, no offload)
 
     def priced(state: tuple[tuple[int, ...], ...]) -> WorkerMemory:
-        live, grads, transient, out, inn, flats, resident, computing = state
+        live, grads, transient, out, inn, flats, resident, saved, computing = state
         params = sum(x.params if not p else x.pack_peak * c for r, c, x, p in zip(resident, computing, st, packed)
                      if r or p)
         act = sum(c * x.stash + t * e for c, t, x, e in zip(live, transient, st, extra))
@@ -301,14 +313,14 @@ def _worker(held: list[int], groups: list[int], states: Sequence[tuple[tuple[int
         g = sum((x.pack_max * c if p else x.params) for f, c, x, p in zip(grads, computing, st, packed) if f)
         msgs = sum(o * x.msg_out + i * x.msg_in for o, i, x in zip(out, inn, st))
         sync = preposted + sum(b for f, b in zip(flats, summed) if f)
-        return WorkerMemory(params, opt, g, act, msgs, sync)
+        return WorkerMemory(params, opt, g, act, msgs, sync, sum(c for f, c in zip(saved, copies) if f))
 
     if flat is not None and not any(packed):
         # unpacked, every category is linear in the counts (flags are 0 or 1): one dot product per state, the
         # first of the largest priced in full (the same state the loop below keeps)
         params = [x.params for x in st]
         coef = (*(x.stash for x in st), *params, *extra, *(x.msg_out for x in st), *(x.msg_in for x in st), *summed,
-                *params)
+                *params, *copies)
         totals = [sum(map(mul, f, coef)) for f in flat]
         top = max(totals, default=0)
         if not totals or top + opt + preposted <= 0:

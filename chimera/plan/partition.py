@@ -279,7 +279,8 @@ def with_memory(part: PartitionResult, profile: Profile, schedule: Schedule, uni
 def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: bool, optimizer: str,
                    memory_limit: int | None = None, exchange: bool = True, rounds: int = 8,
                    simulated_up_to: int = 16, exact: bool = True, offload: Offload | None = None,
-                   owned: Owned | None = None, memory: bool = True, clip: bool = False) -> PartitionResult:
+                   owned: Owned | None = None, memory: bool = True, clip: bool = False,
+                   post_validated: bool = False) -> PartitionResult:
     """The partition of ``profile``'s layers into ``schedule.stages`` stages with the least simulated step time
     whose every worker fits ``memory_limit`` bytes (when no partition fits, the one that needs least memory; both
     exact up to ``ENUMERATED`` partitions with ``rounds`` > 0, beyond that a local search's best).
@@ -294,12 +295,14 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     optimizer state (:data:`chimera.plan.sharding.Owned`; its ValueError, where a partition cannot be sharded,
     propagates). ``memory`` False (a first estimate, ``rounds`` 0, of a candidate that surely fits): the step alone,
     ``PartitionResult.memory`` empty (the memory walk is what it saves). ``clip``: the optimizer step clips by the
-    global gradient norm (training's ``--clip-grad`` > 0; :func:`chimera.plan.costs.simulator_costs`)."""
+    global gradient norm (training's ``--clip-grad`` > 0; :func:`chimera.plan.costs.simulator_costs`).
+    ``post_validated`` (``--post-validate``): the steps are lowered post-validated and simulated exactly, their
+    rollback copies counted in memory."""
     d = schedule.stages
     compute_only = schedule.compute_only()
     offloaded = offload is not None and offload.optimizer
-    exact = exact or offloaded
-    timed = lower(compute_only, offload) if exact else compute_only  # prepared once, simulated per partition
+    exact = exact or offloaded or post_validated
+    timed = lower(compute_only, offload, post_validated) if exact else compute_only  # prepared once, simulated per partition
     walks: list[MemoryWalk] = []
 
     def walker() -> MemoryWalk:  # walked once, when first asked for

@@ -3,7 +3,8 @@
 With ``--profile-memory`` the executor asks the ledger to look after every action: it sums the unique storages
 of the tensors the runtime references (parameters, gradients, optimizer state, what the step stashes for its
 backwards including the tensors autograd saved, messages waiting or in flight, gradient-sum buffers), each
-storage counted once, in the first category that holds it. The step's peak and its breakdown go into the
+storage counted once, in the first category that holds it; with post-validated steps also the copies each stage's
+update keeps for a rollback (``rollback``). The step's peak and its breakdown go into the
 step's result; the memory model (``chimera.plan.memory``) is checked against it.
 
 With ``--offload`` what the host store keeps for the offloaded stages (weights, gradient sums, the optimizer
@@ -21,15 +22,16 @@ import torch
 from chimera.microbatch import tensors
 from chimera.runtime.step_state import StepState
 
-CATEGORIES = ("params", "optimizer", "grads", "activations", "messages", "sync")
+CATEGORIES = ("params", "optimizer", "grads", "activations", "messages", "sync", "rollback")
 
 
 class MemoryLedger:
     """Peak bytes held by one worker in one step (module docstring)."""
 
-    def __init__(self, stages: Any, batches: Any) -> None:
+    def __init__(self, stages: Any, batches: Any, post: Any = None) -> None:
         self.stages = stages
         self.batches = batches
+        self.post = post  # the worker's PostValidation, if its steps are post-validated
         self.peak: dict[str, int] = {}
 
     def start_step(self) -> None:
@@ -56,6 +58,7 @@ class MemoryLedger:
             "messages": _bytes([*_tuples(st.inbox.values()), *_tuples(st.outbox.values()), *self.batches.held()],
                                seen),
             "sync": _bytes(sync, seen),
+            "rollback": _bytes(self.post.held(), seen) if self.post is not None else 0,
         }
         total = sum(counts.values())
         if total > self.peak.get("total", 0):

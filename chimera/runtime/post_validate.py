@@ -52,6 +52,12 @@ class PostValidation:
         self.norms: dict[int, torch.Tensor] = {}  # id(parameter) -> the norm of its gradient, as the update saw it
         self.groups: list[dict[str, Any]] | None = None  # the optimizer's per-group state at the step's start
 
+    def held(self) -> list[torch.Tensor]:
+        """The rollback copies held now (weights and optimizer state of the stage replicas updated in this step)."""
+        return [t for weights, states in self.saved.values()
+                for t in [*weights, *(v for state in states.values() if state for v in state.values()
+                                      if isinstance(v, torch.Tensor))]]
+
     @property
     def updated_any(self) -> bool:
         """Whether a stage replica was updated in this step already."""

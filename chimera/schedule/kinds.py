@@ -157,18 +157,22 @@ class Memory:
 
     Attributes:
         grads: the stage's weight gradients are allocated (True) or leave the device (False).
-        flat: the stage's flat gradient-sum buffer is allocated until the optimizer step.
+        flat: the stage's flat gradient-sum buffers are allocated (True) or released, the sum written back into
+            the gradients (False).
         resident: the stage's weights come onto the device (True) or leave it (False).
         transient: held only while it runs: ``out`` (its outgoing message), ``in`` (an incoming one),
             ``recompute`` (a recomputing backward's whole stash), ``pack`` (weights streamed in packs).
         peak: the state while it runs can be the worker's peak.
+        saved: a copy of the stage's weights and optimizer state is kept from here to the step's end (a
+            post-validated update's rollback copy).
     """
 
     grads: bool | None = None
-    flat: bool = False
+    flat: bool | None = None
     resident: bool | None = None
     transient: tuple[str, ...] = ()
     peak: bool = False
+    saved: bool = False
 
 
 @dataclass(frozen=True)
@@ -298,15 +302,16 @@ register_kind("ALLREDUCE_START", KindSpec("gradient allreduce start", "AR_START"
                                           consumes=(Use(Res.WGRAD),), cost="allreduce", busy="sync_start",
                                           memory=Memory(flat=True, peak=True), family="sync"))
 register_kind("ALLREDUCE_WAIT", KindSpec("gradient allreduce wait", "AR_WAIT", Role.SYNC_WAIT, Address.STAGE,
-                                         busy="sync_wait", family="sync"))
+                                         busy="sync_wait", memory=Memory(flat=False), family="sync"))
 register_kind("OPTIMIZER_STEP", KindSpec("optimizer step", "OPT", Role.UPDATE, Address.NONE, cost="optimizer",
                                          family="update"))
 # post-validated steps (chimera.schedule.lowering.post_validate): each stage replica updated as soon as its
 # gradients are complete (``stage_update``: a per-stage cost, 0 unless the costs name it), then one check of the
 # global gradient norm per worker, which rolls the updates back and redoes them where clipping or a non-finite norm
-# changes them (the rare case; its cost is not modelled)
+# changes them (the rare case; its cost is not modelled); each update keeps its stage's weights and optimizer state
+# until the step's end, for that rollback
 register_kind("STAGE_UPDATE", KindSpec("stage update (post-validated)", "UPDATE", Role.UPDATE, Address.STAGE,
-                                       cost="stage_update", family="update"))
+                                       cost="stage_update", memory=Memory(saved=True, peak=True), family="update"))
 register_kind("VALIDATE", KindSpec("post-validation of the step", "VALIDATE", Role.UPDATE, Address.NONE,
                                    family="update"))
 # offload (chimera.offload.lowering): the host holds the current weights, so a swap-out only releases the device
