@@ -142,3 +142,20 @@ def test_a_run_that_clips_otherwise_than_the_plan_priced_is_told(tmp_path):
     assert other.prediction is not None and other.prediction.trust == (
         "the plan priced clipping by the global gradient norm and this run has --clip-grad 0: plan with "
         "--clip-grad 0 for its step time")
+
+
+def test_plan_records_post_validation_and_a_run_that_adds_it_is_told(tmp_path):
+    """``chimera plan --post-validate`` records that it priced the rollback copies; a post-validated run of a plan
+    made without the flag is told that its memory lacks them."""
+    prof = _profile_of_bert(tmp_path, 2)
+    for flag, name in ((True, "pv.json"), (False, "plain.json")):
+        out = tmp_path / name
+        assert main(["plan", "--model", "bert-tiny", "--seq-len", "8", "--profile", prof, "--workers", "2",
+                     "--global-batch", "8", "-o", str(out), *(["--post-validate"] if flag else [])]) == 0
+        chosen = PlanFile.load(out)
+        assert chosen.post_validate is flag
+        run = compile_job(TrainConfig.from_flags(model="bert-tiny", seq_len=8, plan=str(out), steps=1,
+                                                 corpus="synthetic", post_validate=True))
+        assert run.prediction is not None
+        assert ("no --post-validate rollback copies" in run.prediction.trust) is not flag, run.prediction.trust
+    assert PlanFile.load(tmp_path / "pv.json").peak_memory_bytes > PlanFile.load(tmp_path / "plain.json").peak_memory_bytes

@@ -185,3 +185,60 @@ def test_memory_model_and_ledger_count_the_rollback_copies():
     compile_job(cfg.with_flags(post_validate=False, memory_per_worker=str(budget)))
     with pytest.raises(BudgetError, match="rollback copies .*no --post-validate"):
         compile_job(cfg.with_flags(memory_per_worker=str(budget)))
+
+
+def test_planned_partition_counts_the_copies_and_times_the_drained_step():
+    """``plan_partition(post_validated=True)``: the rollback copies in every worker's memory (so a limit that the
+    drained step fits may not fit), the step simulated as the drained one."""
+    from chimera.plan.partition import plan_partition
+    from chimera.profile import synthetic
+
+    prof = synthetic.profile([synthetic.layer(i, 1e-3, 4 << 20, 1 << 16, 1 << 12, [2]) for i in range(8)], [2])
+    sched = build_schedule("chimera", 4, 4)
+    drained = plan_partition(prof, sched, 2, False, "adamw")
+    post = plan_partition(prof, sched, 2, False, "adamw", post_validated=True)
+    assert post.step_s == drained.step_s and post.sizes == drained.sizes
+    for d, p in zip(drained.memory, post.memory):
+        assert d.rollback == 0 and p.rollback == p.params + p.optimizer > 0, (d, p)
+        assert p.total > d.total
+    limited = plan_partition(prof, sched, 2, False, "adamw", memory_limit=drained.peak_memory, post_validated=True)
+    assert limited.peak_memory > drained.peak_memory  # nothing fits it: the least memory, over the limit
+
+
+def test_planner_prices_the_rollback_copies():
+    """``plan(post_validated=True)`` (``chimera plan --post-validate``, profiled ``auto``): every candidate's peak
+    counts its stage updates' rollback copies (the step is the drained one's), so a limit that the drained plan fits
+    with room to spare may fit nothing, and no candidate is offloaded; the bounds stay sound (the pruned ranking
+    equals the reference's)."""
+    from chimera.plan import plan
+    from chimera.profile import synthetic
+
+    sizes, mib = [1, 2, 4], 1 << 20
+    prof = synthetic.profile([synthetic.layer(i, 1e-3, 16 * mib, mib, 1 << 16, sizes) for i in range(8)], sizes)
+    free = {pv: plan(prof, 8, 32, None, "adamw", post_validated=pv) for pv in (False, True)}
+    for d, p in zip(free[False].ranked, free[True].ranked):
+        assert d.candidate == p.candidate and d.step_s == p.step_s  # the same steps: a post-validated step drains
+        assert p.peak_memory > d.peak_memory, (d, p)
+        if d.candidate.stages == 8:  # a layer per worker: 16 MiB weights, 32 MiB AdamW state, 16 MiB gradients, and
+            assert p.peak_memory >= 112 * mib, p  # the copies of the weights and the state at the step's end
+    drained = plan(prof, 8, 32, 100 * mib, "adamw")
+    assert drained.ranked and drained.ranked[0].peak_memory <= 85 * mib
+    none = plan(prof, 8, 32, 100 * mib, "adamw", post_validated=True)
+    assert none.ranked == [] and all(e.reason for e in none.infeasible)
+    pruned = plan(prof, 8, 32, 120 * mib, "adamw", post_validated=True)
+    reference = plan(prof, 8, 32, 120 * mib, "adamw", post_validated=True, prune=False)
+    assert pruned.inputs["post_validate"] is True and pruned.ranked
+    assert [(e.candidate, e.step_s, e.peak_memory) for e in pruned.ranked] == \
+        [(e.candidate, e.step_s, e.peak_memory) for e in reference.ranked[:len(pruned.ranked)]]
+    assert all(e.peak_memory <= 120 * mib and e.candidate.stages == 8 and not e.candidate.offload.optimizer
+               for e in pruned.ranked)
+    with pytest.raises(ValueError, match="give --offload none or drop --post-validate"):
+        plan(prof, 8, 32, None, "adamw", post_validated=True, fixed={"offload": "optimizer"})
+    # the bound's memory ceiling (a candidate under it is not walked) holds the copies too
+    from chimera.offload.lowering import lower as lower_all
+    from chimera.plan.memory import memory_ceiling, worker_memory
+
+    sched, layers = build_schedule("chimera", 4, 4), [[0, 1], [2, 3], [4, 5], [6, 7]]
+    peak = max(m.total for m in worker_memory(prof, lower_all(sched, None, True), layers, 1, "adamw", False))
+    assert memory_ceiling(prof, sched, layers, 1, "adamw") < peak <= memory_ceiling(prof, sched, layers, 1, "adamw",
+                                                                                     post_validated=True)

@@ -46,6 +46,9 @@ def add_parser(sub: Any, parser_class: type) -> None:
     add_field(p, "optimizer", default="lamb", help="optimizer whose state counts in memory", names_of=choices)
     add_field(p, "clip_grad", default=FIELDS["clip_grad"].default, help="the --clip-grad training will use: above 0 "
               "every optimizer step is priced with clipping by the global gradient norm (its passes, its allreduce)")
+    add_field(p, "post_validate", default=False, help="price the --post-validate training will use: each stage "
+              "update's rollback copy of its weights and optimizer state counts in memory, and no candidate is "
+              "offloaded")
     add_field(p, "shard_optimizer", default=False, help="price every candidate with its optimizer state sharded over "
               "each stage's replicas (ZeRO-1, as training's --shard-optimizer assigns it: a worker counts only the "
               "state it owns; no offload), and record the flag in the plan file so that --plan FILE trains sharded")
@@ -71,10 +74,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         limit = parse_bytes(args.memory_per_worker) if args.memory_per_worker else profile.device_memory_bytes
         owned = owned_pricer(chain) if args.shard_optimizer else None
         result = plan(profile, args.workers, args.global_batch, limit, args.optimizer, args.top, stages=args.stages,
-                      optimizer_owned=owned, clip=args.clip_grad > 0)
+                      optimizer_owned=owned, clip=args.clip_grad > 0, post_validated=args.post_validate)
         trust = trust_note(profile, args.workers, args.nodes)
         chosen = PlanFile.from_result(result, chain.name, profile.fingerprint, profile.device, trust=trust,
-                                      tokens_per_sample=chain.tokens_per_sample(), clip_grad=args.clip_grad)
+                                      tokens_per_sample=chain.tokens_per_sample(), clip_grad=args.clip_grad,
+                                      post_validate=args.post_validate)
     except (ValueError, ProfileError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

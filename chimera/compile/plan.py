@@ -59,7 +59,7 @@ def apply_plan(cfg: TrainConfig, chain: Any, threads: int, log: Callable[[str], 
         raise ConfigError(f"--plan {spec}: {e}") from None
     flags = {k: v for k, v in chosen.flags.items() if k in FIELDS}
     kept = sorted(_fixed(cfg))
-    trust = chosen.trust_for(cfg.training.clip_grad)
+    trust = chosen.trust_for(cfg.training.clip_grad, cfg.training.post_validate)
     why = (f"plan {spec}: {chosen.flags['schedule']}, D={chosen.flags['stages']}, W={chosen.flags['data_parallel']}, "
            f"B={chosen.flags['micro_batch_size']}, N={chosen.flags['micro_batches']}"
            + (f" (kept as given: {', '.join(kept)})" if kept else "")
@@ -93,6 +93,7 @@ def _auto(cfg: TrainConfig, chain: Any, threads: int, log: Callable[[str], None]
     limit = parse_bytes(cfg.memory.memory_per_worker) if cfg.memory.memory_per_worker not in (None, "device") else None
     owned = owned_pricer(chain) if t.shard_optimizer else None  # sharded: priced as the job will be
     result = plan(prof, workers, global_batch, limit, t.optimizer, exchange=t.device != "cuda", fixed=fixed,
-                  optimizer_owned=owned, clip=t.clip_grad > 0)
+                  optimizer_owned=owned, clip=t.clip_grad > 0, post_validated=t.post_validate)
     return PlanFile.from_result(result, chain.name, prof.fingerprint, prof.device,
-                                tokens_per_sample=chain.tokens_per_sample(), clip_grad=t.clip_grad)
+                                tokens_per_sample=chain.tokens_per_sample(), clip_grad=t.clip_grad,
+                                post_validate=t.post_validate)

@@ -138,8 +138,12 @@ def _auto_profiled(cfg: TrainConfig, model: Model, budget: Budget, threads: int,
         fixed["offload"] = cfg.memory.offload
     # every candidate priced, none pruned: the plain schedules are compared with the fastest (a dozen candidates)
     owned = owned_pricer(model.chain) if t.shard_optimizer else None  # --shard-optimizer: as _auto prices it
-    result = plan(prof, world, s.micro_batches * s.micro_batch_size * s.data_parallel, budget.bytes, t.optimizer,
-                  exchange=t.device != "cuda", fixed=fixed, prune=False, optimizer_owned=owned, clip=t.clip_grad > 0)
+    try:
+        result = plan(prof, world, s.micro_batches * s.micro_batch_size * s.data_parallel, budget.bytes, t.optimizer,
+                      exchange=t.device != "cuda", fixed=fixed, prune=False, optimizer_owned=owned,
+                      clip=t.clip_grad > 0, post_validated=t.post_validate)
+    except ValueError as e:
+        raise ConfigError(f"--schedule auto: {e}") from None
     ranked = [e for e in result.ranked if e.candidate.spec.auto]
     if not ranked:
         reasons = sorted({e.reason for e in result.infeasible if e.reason})[:3]

@@ -45,13 +45,13 @@ def lower_bound(profile: Profile, frame: Schedule, unit: int, whole_backward: bo
 
 
 def bound_and_fit(profile: Profile, frame: Schedule, unit: int, whole_backward: bool, memory_limit: int | None,
-                  optimizer: str, exchange: bool) -> tuple[float, bool]:
+                  optimizer: str, exchange: bool, post_validated: bool = False) -> tuple[float, bool]:
     """:func:`lower_bound`, and whether the candidate surely fits as it is (no memory limit, or
-    :func:`chimera.plan.memory.memory_ceiling` within it): then no recomputing or offloaded variant is tried, and
-    its first estimate is its least."""
+    :func:`chimera.plan.memory.memory_ceiling` within it, post-validated steps' rollback copies included when
+    ``post_validated``): then no recomputing or offloaded variant is tried, and its first estimate is its least."""
     sizes = balanced(profile, frame, unit, False)
-    if memory_limit is None or memory_ceiling(profile, frame, layers_of(sizes), unit, optimizer,
-                                              exchange) <= memory_limit:
+    if memory_limit is None or memory_ceiling(profile, frame, layers_of(sizes), unit, optimizer, exchange,
+                                              post_validated) <= memory_limit:
         return _bound(profile, frame, unit, False, whole_backward, lowered=False) * (1 - SLACK), True
     return min(_bound(profile, frame, unit, recompute, whole_backward, lowered=True)
                for recompute in (False, True)) * (1 - SLACK), False

@@ -265,11 +265,12 @@ def worker_memory(profile: Profile, schedule: Schedule, stage_layers: Sequence[S
 
 
 def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
-                   optimizer: str, exchange: bool = True) -> int:
-    """Bytes no worker exceeds in any order of ``frame``'s actions, compute-only or lowered, without recomputation,
-    offload or post-validation (its placement and units are read, not its actions: a frame will do): :func:`worker_memory`'s
-    pricing of one state holding every unit of every stage it holds stashed, every gradient, every gradient sum's
-    buffer and every unit's messages at once. Every state an order passes through has each count at most that,
+                   optimizer: str, exchange: bool = True, post_validated: bool = False) -> int:
+    """Bytes no worker exceeds in any order of ``frame``'s actions, compute-only or lowered (``post_validated``:
+    also post-validated), without recomputation or offload (its placement and units are read, not its actions: a
+    frame will do): :func:`worker_memory`'s pricing of one state holding every unit of every stage it holds
+    stashed, every gradient, every gradient sum's buffer, every unit's messages and (``post_validated``) every
+    rollback copy at once. Every state an order passes through has each count at most that,
     and the pricing only grows with each count, so the peak is at most this."""
     stages = _stages(profile, stage_layers, unit, optimizer, False)
     most = max((activation_change(k) for k in SPECS), default=1)
@@ -280,7 +281,8 @@ def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Seq
         groups = [frame.stage_group_size(s) for s in held]
         units = tuple(frame.pipe_microbatches(p) * most for p, _ in pairs)
         ones, zero = (1,) * len(held), (0,) * len(held)
-        state = (units, ones, zero, units, units, tuple(int(g > 1) for g in groups), ones, zero, zero)
+        state = (units, ones, zero, units, units, tuple(int(g > 1) for g in groups), ones,
+                 ones if post_validated else zero, zero)
         out = max(out, _worker(held, groups, [state], stages, exchange, Offload()).total)
     return out
 

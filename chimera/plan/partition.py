@@ -265,14 +265,15 @@ def _balanced(work: tuple[float, ...], d: int, holders: tuple[tuple[int, ...], .
 
 
 def with_memory(part: PartitionResult, profile: Profile, schedule: Schedule, unit: int, recompute: bool,
-                optimizer: str, exchange: bool = True, offload: Offload | None = None, owned: Owned | None = None
-                ) -> PartitionResult:
+                optimizer: str, exchange: bool = True, offload: Offload | None = None, owned: Owned | None = None,
+                post_validated: bool = False) -> PartitionResult:
     """``part``, a first estimate of :func:`plan_partition` made without its memory (``memory=False``), with every
-    worker's peak priced as that estimate would have priced it (on the compute-only schedule)."""
+    worker's peak priced as that estimate would have priced it (on the compute-only schedule, or
+    ``post_validated`` on the post-validated lowering)."""
     layers = layers_of(part.sizes)
     own = owned(schedule, layers) if owned is not None else None
-    mem = worker_memory(profile, schedule.compute_only(), layers, unit, optimizer, recompute, exchange, None, offload,
-                        own)
+    walked = lower(schedule.compute_only(), offload, True) if post_validated else schedule.compute_only()
+    mem = worker_memory(profile, walked, layers, unit, optimizer, recompute, exchange, None, offload, own)
     return PartitionResult(part.sizes, part.step_s, part.bubble, mem)
 
 
@@ -296,18 +297,20 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
     propagates). ``memory`` False (a first estimate, ``rounds`` 0, of a candidate that surely fits): the step alone,
     ``PartitionResult.memory`` empty (the memory walk is what it saves). ``clip``: the optimizer step clips by the
     global gradient norm (training's ``--clip-grad`` > 0; :func:`chimera.plan.costs.simulator_costs`).
-    ``post_validated`` (``--post-validate``): the steps are lowered post-validated and simulated exactly, their
-    rollback copies counted in memory."""
+    ``post_validated`` (``--post-validate``): memory is walked on the post-validated lowering (its rollback copies
+    counted); the step is still simulated on the drained lowering, whose optimizer step the simulator prices (a
+    post-validated step ends with the same global check: it drains alike)."""
     d = schedule.stages
     compute_only = schedule.compute_only()
     offloaded = offload is not None and offload.optimizer
-    exact = exact or offloaded or post_validated
-    timed = lower(compute_only, offload, post_validated) if exact else compute_only  # prepared once, simulated per partition
+    exact = exact or offloaded
+    timed = lower(compute_only, offload) if exact else compute_only  # prepared once, simulated per partition
+    walked = lower(compute_only, offload, True) if post_validated else timed
     walks: list[MemoryWalk] = []
 
     def walker() -> MemoryWalk:  # walked once, when first asked for
         if not walks:
-            walks.append(MemoryWalk(timed))
+            walks.append(MemoryWalk(walked))
         return walks[0]
 
     def evaluate(sizes: list[int]) -> PartitionResult:
@@ -320,7 +323,7 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
         step = float(sim.makespan) + tail
         if not memory:
             return PartitionResult(list(sizes), step, float(sim.bubble), [])
-        mem = worker_memory(profile, timed, layers, unit, optimizer, recompute, exchange, walker(), offload, own)
+        mem = worker_memory(profile, walked, layers, unit, optimizer, recompute, exchange, walker(), offload, own)
         return PartitionResult(list(sizes), step, float(sim.bubble), mem)
 
     cache: dict[tuple[int, ...], PartitionResult] = {}
@@ -342,7 +345,7 @@ def plan_partition(profile: Profile, schedule: Schedule, unit: int, recompute: b
             def peak(s: list[int]) -> int:  # the memory model alone, no simulation
                 layers = layers_of(s)
                 own = owned(schedule, layers) if owned is not None else None
-                return max(m.total for m in worker_memory(profile, timed, layers, unit, optimizer, recompute,
+                return max(m.total for m in worker_memory(profile, walked, layers, unit, optimizer, recompute,
                                                           exchange, walker(), offload, own))
 
             load = _load(layer_work(profile, unit, recompute), d, _holders(schedule))

@@ -42,11 +42,12 @@ class PlanFile:
     trust: str = ""  # why the predictions may be off ("": the profile was taken as the workers will run)
     tokens_per_sample: int | None = None  # the model's sequence length when planned (None: not token sequences)
     clip_grad: float | None = None  # the --clip-grad the optimizer steps were priced with (None: not recorded)
+    post_validate: bool | None = None  # whether the rollback copies of --post-validate were priced (None: not recorded)
 
     @staticmethod
     def from_result(result: PlanResult, model: str, fingerprint: str, device: str, keep: int = 10,
-                    trust: str = "", tokens_per_sample: int | None = None, clip_grad: float | None = None
-                    ) -> PlanFile:
+                    trust: str = "", tokens_per_sample: int | None = None, clip_grad: float | None = None,
+                    post_validate: bool | None = None) -> PlanFile:
         """The best candidate of ``result`` as a plan (PlanError when nothing fits); ``trust``: :attr:`trust`."""
         if not result.ranked:
             reasons = sorted({e.reason for e in result.infeasible if e.reason})[:5]
@@ -57,11 +58,15 @@ class PlanFile:
                     result.inputs.get("memory_limit"), plan_flags(best), float(best.step_s or 0.0),
                     float(best.samples_per_s or 0.0), float(best.bubble or 0.0), int(best.peak_memory or 0),
                     ranked=[summary(e) for e in result.ranked[:keep]], trust=trust,
-                    tokens_per_sample=tokens_per_sample, clip_grad=clip_grad)
+                    tokens_per_sample=tokens_per_sample, clip_grad=clip_grad, post_validate=post_validate)
 
-    def trust_for(self, clip_grad: float) -> str:
-        """:attr:`trust`, and whether a run with ``clip_grad`` clips where the plan priced it (or the reverse)."""
+    def trust_for(self, clip_grad: float, post_validate: bool = False) -> str:
+        """:attr:`trust`, and whether a run with ``clip_grad`` clips where the plan priced it (or the reverse), and
+        whether it post-validates where the plan did not price it."""
         notes = [self.trust] if self.trust else []
+        if post_validate and not self.post_validate:
+            notes.append("the plan's memory has no --post-validate rollback copies (the memory verdict counts them): "
+                         "plan with --post-validate for its peak")
         if self.clip_grad is not None and (self.clip_grad > 0) != (clip_grad > 0):
             priced = "clipping by the global gradient norm" if self.clip_grad > 0 else "no clipping"
             notes.append(f"the plan priced {priced} and this run has --clip-grad {clip_grad:g}: plan with "

@@ -99,7 +99,7 @@ def _why_not(c: Candidate, num_layers: int, sizes: Sequence[int], frames: dict[t
 def plan(profile: Profile, workers: int, global_batch: int | None = None, memory_limit: int | None = None,
          optimizer: str = "adamw", top: int = 10, exchange: bool | None = None, refine: int = 3,
          stages: int | None = None, fixed: Mapping[str, Any] | None = None, prune: bool = True,
-         optimizer_owned: Owned | None = None, clip: bool = False) -> PlanResult:
+         optimizer_owned: Owned | None = None, clip: bool = False, post_validated: bool = False) -> PlanResult:
     """Rank the configurations of ``profile``'s model on ``workers`` workers (module docstring).
 
     Every candidate is first estimated with its load-balanced partition (the compute-only schedule plus the
@@ -120,9 +120,15 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     model): per schedule and partition, each worker's owned parameter bytes per stage, as training assigns them;
     every candidate is then priced with only its owned share of the optimizer state (one that cannot be sharded is
     infeasible, with the reason) and none with offload, which sharding does not allow. ``clip``: training clips by
-    the global gradient norm (``--clip-grad`` > 0, its default), which every optimizer step then pays."""
+    the global gradient norm (``--clip-grad`` > 0, its default), which every optimizer step then pays.
+    ``post_validated`` (``--post-validate``): every candidate's memory counts the rollback copies of its stage
+    updates, and none is offloaded (no offload combines with it); its step is the drained one's
+    (:func:`plan_partition`)."""
     fixed = dict(fixed or {})
     shard = sharding(optimizer_owned, fixed)
+    if post_validated and fixed.get("offload", "none") != "none":
+        raise ValueError(f"--post-validate with --offload {fixed['offload']}: post-validated steps keep every "
+                         "stage's optimizer state on the device; give --offload none or drop --post-validate")
     if exchange is None:
         exchange = not profile.device.startswith("cuda")
     stages = fixed.get("stages", stages)
@@ -131,7 +137,8 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     sizes = sorted(profile.micro_batch_sizes)
     g = global_batch or max(sizes) * workers
     result = PlanResult([], [], inputs={"workers": workers, "global_batch": g, "memory_limit": memory_limit,
-                                        "optimizer": optimizer, "shard_optimizer": shard})
+                                        "optimizer": optimizer, "shard_optimizer": shard,
+                                        "post_validate": post_validated})
     pending = []
     frames: dict[tuple[Any, ...], Schedule] = {}
     # by what the bound reads (frame_key), unit and backward form: the bound, and whether it surely fits as it is
@@ -147,11 +154,12 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
             frame, whole = _frame(c, frames), not (c.split_backward or c.spec.split_only)
             key = (frame_key(frame), c.unit, whole)
             if key not in bounds:
-                bounds[key] = bound_and_fit(profile, frame, c.unit, whole, memory_limit, optimizer, exchange)
+                bounds[key] = bound_and_fit(profile, frame, c.unit, whole, memory_limit, optimizer, exchange,
+                                            post_validated)
             bound, fits = bounds[key]
         pending.append((bound, i, c, fits))
     pending.sort(key=lambda x: x[:2])
-    pricer = _Pricer(profile, memory_limit, optimizer, exchange, prune, optimizer_owned, clip)
+    pricer = _Pricer(profile, memory_limit, optimizer, exchange, prune, optimizer_owned, clip, post_validated)
     with collector_paused(), contextlib.nullcontext() if prune else fresh_builds():
         order = _estimate(pricer, pending, result, fixed, top + refine)
         _price_deferred(pricer, result, order, top + refine, refine)
@@ -262,8 +270,9 @@ def _first_fit(pricer: _Pricer, c: Candidate, sched: Schedule, tried: list[Evalu
     if ev.reason is not None and "memory" in ev.reason and not c.recompute:
         tried.append(ev)
         ev = pricer.evaluate(dataclasses.replace(c, recompute=True), sched, rounds=0, exact=False)
-    offloads = [] if pricer.owned is not None else _offloads(c, max(1, len(pricer.profile.layers) // c.parts), fixed)
-    for off in offloads:  # sharded: no offload (an offloaded stage's optimizer state is not sharded)
+    no_offload = pricer.owned is not None or pricer.post_validated
+    offloads = [] if no_offload else _offloads(c, max(1, len(pricer.profile.layers) // c.parts), fixed)
+    for off in offloads:  # sharded or post-validated: no offload (it moves the optimizer state, whole)
         if ev.reason is None or "memory" not in ev.reason:
             break
         tried.append(ev)
@@ -298,6 +307,7 @@ class _Pricer:
     prune: bool
     owned: Owned | None = None  # --shard-optimizer: each worker's owned parameter bytes per stage
     clip: bool = False  # the optimizer step clips by the global gradient norm
+    post_validated: bool = False  # --post-validate: the stage updates' rollback copies count, no offload
     built: dict[tuple[Any, ...], Schedule] = field(default_factory=dict)
     priced: dict[tuple[Any, ...], list[tuple[Any, PartitionResult]]] = field(default_factory=dict)
 
@@ -317,18 +327,19 @@ class _Pricer:
         scale = sched.microbatch_scale
         binary = scale.numerator & (scale.numerator - 1) == 0 and scale.denominator & (scale.denominator - 1) == 0
         key = (tuple(sched.placement.items()), sched.data_parallel, sched.microbatches, None if binary else scale,
-               tuple(map(len, sched.actions)), c.unit, c.recompute, c.offload, rounds, exact, self.clip)
+               tuple(map(len, sched.actions)), c.unit, c.recompute, c.offload, rounds, exact, self.clip,
+               self.post_validated)
         same = self.priced.setdefault(key, []) if self.prune else []
         for k, (actions, part) in enumerate(same):
             if actions == sched.actions:  # rows shared by builds of one order compare by identity
                 if memory and not part.memory:  # estimated without its memory: priced now, the step kept
                     part = with_memory(part, self.profile, sched, c.unit, c.recompute, self.optimizer, self.exchange,
-                                       c.offload, self.owned)
+                                       c.offload, self.owned, self.post_validated)
                     same[k] = (actions, part)
                 return part
         part = plan_partition(self.profile, sched, c.unit, c.recompute, self.optimizer, self.memory_limit,
                               self.exchange, rounds=rounds, exact=exact, offload=c.offload, owned=self.owned,
-                              memory=memory, clip=self.clip)
+                              memory=memory, clip=self.clip, post_validated=self.post_validated)
         same.append((sched.actions, part))
         return part
 
