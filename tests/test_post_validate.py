@@ -183,8 +183,9 @@ def test_memory_model_and_ledger_count_the_rollback_copies():
     assert peaks[True][1] > 1.5 * peaks[False][1], peaks
     budget = (peaks[True][1] + peaks[False][1]) // 2
     compile_job(cfg.with_flags(post_validate=False, memory_per_worker=str(budget)))
-    with pytest.raises(BudgetError, match="rollback copies .*no --post-validate"):
+    with pytest.raises(BudgetError, match="rollback copies .*no --post-validate") as refused:
         compile_job(cfg.with_flags(memory_per_worker=str(budget)))
+    assert "--recompute" not in str(refused.value)  # no activations at that peak: recomputing would not help
 
 
 def test_planned_partition_counts_the_copies_and_times_the_drained_step():

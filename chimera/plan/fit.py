@@ -98,9 +98,14 @@ def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Seq
     if post_validated:  # no offload combines with it
         hint = ("no --post-validate (it keeps a copy of every stage's weights and optimizer state from the stage's "
                 "update to the step's end, and no offload combines with it), ")
+    # only what lowers the last peak tried: activations at the peak (recomputation, micro-batch size), weights that
+    # move (their prefetch depth)
+    fewer = [*(["--recompute"] if m.activations and not recompute else []),
+             *(["a smaller --micro-batch-size"] if m.activations or m.messages else []),
+             *(["a smaller --prefetch"] if last.weights and any(x.prefetch for x in last.stages) else [])]
     raise OverBudget(f"the configuration needs more than the budget of {budget} bytes ({budget / 2**20:.1f} MiB) per "
-                     f"worker: {'; '.join(tried)}. Change: {hint}more stages (--stages), --recompute, a smaller "
-                     "--micro-batch-size or --prefetch, or a larger --memory-per-worker", least or 0)
+                     f"worker: {'; '.join(tried)}. Change: {hint}more stages (--stages), "
+                     f"{''.join(f'{x}, ' for x in fewer)}or a larger --memory-per-worker", least or 0)
 
 
 def _least_per_stage(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
