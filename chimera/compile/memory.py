@@ -210,8 +210,8 @@ def exclude_over_budget(cfg: TrainConfig, ranked: Sequence[Choice], split: Calla
             unit = int(cfg.schedule.micro_batch_size * sched.microbatch_scale)
             try:
                 own = owned(sched) if owned is not None else None
-                mem = worker_memory(shapes.at(unit), lower(sched, off, t.post_validate), split(sched.stages), unit, t.optimizer,
-                                    t.recompute, t.device != "cuda", offload=off, optimizer_owned=own)
+                mem = worker_memory(shapes.at(unit), lower(sched, off, t.post_validate), split(sched.stages), unit,
+                                    t.optimizer, t.recompute, t.device != "cuda", offload=off, optimizer_owned=own)
             except ValueError as e:
                 over[c.label] = str(e)
                 continue
