@@ -235,6 +235,8 @@ def test_planner_prices_the_rollback_copies():
                for e in pruned.ranked)
     with pytest.raises(ValueError, match="give --offload none or drop --post-validate"):
         plan(prof, 8, 32, None, "adamw", post_validated=True, fixed={"offload": "optimizer"})
+    with pytest.raises(ValueError, match="--post-validate with --shard-optimizer"):
+        plan(prof, 8, 32, None, "adamw", post_validated=True, optimizer_owned=lambda sched, layers: [{}])
     # the bound's memory ceiling (a candidate under it is not walked) holds the copies too
     from chimera.offload.lowering import lower as lower_all
     from chimera.plan.memory import memory_ceiling, worker_memory

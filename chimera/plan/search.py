@@ -126,6 +126,9 @@ def plan(profile: Profile, workers: int, global_batch: int | None = None, memory
     (:func:`plan_partition`)."""
     fixed = dict(fixed or {})
     shard = sharding(optimizer_owned, fixed)
+    if post_validated and shard:
+        raise ValueError("--post-validate with --shard-optimizer: post-validated steps keep every stage's whole "
+                         "optimizer state on each replica; drop one")
     if post_validated and fixed.get("offload", "none") != "none":
         raise ValueError(f"--post-validate with --offload {fixed['offload']}: post-validated steps keep every "
                          "stage's optimizer state on the device; give --offload none or drop --post-validate")
