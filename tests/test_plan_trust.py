@@ -159,4 +159,4 @@ def test_plan_records_post_validation_and_a_run_that_adds_it_is_told(tmp_path):
         assert run.prediction is not None
         assert ("no --post-validate rollback copies" in run.prediction.trust) is not flag, run.prediction.trust
     peaks = [PlanFile.load(tmp_path / name).peak_memory_bytes for name in ("pv.json", "plain.json")]
-    assert peaks[0] > peaks[1], peaks
+    assert peaks[0] >= peaks[1], peaks  # the copies raise it where they are the peak (test_post_validate.py)

@@ -17,7 +17,7 @@ Per unit and stage: without recomputation the stash is what the stage's layers s
 (``stash_bytes``); with it, the stage's input (and, while one backward recomputes, that unit's full stash).
 Gradient sums: a flat copy of the stage's gradients from the sum's start to its wait (which writes the sum back
 into the gradients), and on gloo for a pair of replicas also the peer's bucket, received into a buffer posted when
-the step starts (counted for the whole step: the runtime frees it at the wait).
+the step starts, until the same wait.
 
 With offload (a schedule lowered with ``Offload``), for every stage by that stage's policy, the device holds no
 optimizer state, gradients only from a backward to their GRAD_OUT (gradient sums then run over host buffers), and,
@@ -101,13 +101,14 @@ def _stages(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, 
 class MemoryWalk:
     """What a schedule's order implies for memory, whatever the partition: for every worker, the distinct states
     its action list passes through, as counts per stage it holds (units stashed, gradients allocated, a
-    recomputation's transient units, messages out and in, a flat gradient copy, weights resident, a rollback copy).
+    recomputation's transient units, messages out and in, a flat gradient copy, weights resident, a rollback copy,
+    the sum waited for).
     Walked once per schedule; a partition is then priced by a dot product per state."""
 
     def __init__(self, schedule: Schedule) -> None:
         self.workers = [self._walk(schedule, w) for w in range(schedule.workers)]
         #: per worker, each state's counts but the last (what a stage computes now) as one tuple
-        self.flat = [[sum(state[:8], ()) for state in states] for _, _, states in self.workers]
+        self.flat = [[sum(state[:9], ()) for state in states] for _, _, states in self.workers]
 
     @staticmethod
     def _walk(schedule: Schedule, w: int) -> tuple[list[int], list[int], list[tuple[tuple[int, ...], ...]]]:
@@ -128,7 +129,7 @@ class MemoryWalk:
             return tuple(v if i == k else x for i, x in enumerate(vec))
 
         live = [0] * n
-        grads, flats, saved = zero, zero, zero
+        grads, flats, saved, summed = zero, zero, zero, zero
         row = schedule.actions[w]
         leaving = {k for k, spec in SPECS.items() if spec.memory.resident is False}
         evicted = {(a.pipe, a.stage) for a in row if a.kind in leaving}  # start off device
@@ -171,7 +172,7 @@ class MemoryWalk:
                 if r is None:
                     c = at(k, a.count)
                     rest = (grads, c if recompute else zero, c if out else zero, c if inn else zero, flats, resident,
-                            saved, at(k, 1) if pack else zero)
+                            saved, summed, at(k, 1) if pack else zero)
                     r = rest_of[shape] = rests.setdefault(rest, len(rests))
                 seen[(tuple(live), r)] = None
             if change < 0:
@@ -179,8 +180,8 @@ class MemoryWalk:
             if g is False and grads[k]:
                 grads = put(grads, k, 0)
                 rest_of = {}
-            if flat is False and flats[k]:
-                flats = put(flats, k, 0)
+            if flat is False and not summed[k]:
+                flats, summed = put(flats, k, 0), put(summed, k, 1)
                 rest_of = {}
             if res is False and resident[k]:
                 resident = put(resident, k, 0)
@@ -192,7 +193,7 @@ class MemoryWalk:
             states.add((live_at, *by_index[r]))
         if not schedule.lowered:  # the step's end: every stage's gradient sum started (a lowered list says when)
             states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident, zero,
-                        zero))
+                        zero, zero))
         return held, groups, _maximal(states)
 
 
@@ -270,8 +271,8 @@ def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Seq
     also post-validated), without recomputation or offload (its placement and units are read, not its actions: a
     frame will do): :func:`worker_memory`'s pricing of one state holding every unit of every stage it holds
     stashed, every gradient, every gradient sum's buffer, every unit's messages and (``post_validated``) every
-    rollback copy at once. Every state an order passes through has each count at most that,
-    and the pricing only grows with each count, so the peak is at most this."""
+    rollback copy at once, no sum waited for yet. Every state an order passes through has each count at most that
+    (and no fewer sums outstanding), and the pricing only grows with each count, so the peak is at most this."""
     stages = _stages(profile, stage_layers, unit, optimizer, False)
     most = max((activation_change(k) for k in SPECS), default=1)
     out = 0
@@ -282,7 +283,7 @@ def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Seq
         units = tuple(frame.pipe_microbatches(p) * most for p, _ in pairs)
         ones, zero = (1,) * len(held), (0,) * len(held)
         state = (units, ones, zero, units, units, tuple(int(g > 1) for g in groups), ones,
-                 ones if post_validated else zero, zero)
+                 ones if post_validated else zero, zero, zero)
         out = max(out, _worker(held, groups, [state], stages, exchange, Offload()).total)
     return out
 
@@ -300,21 +301,23 @@ def _worker(held: list[int], groups: list[int], states: Sequence[tuple[tuple[int
               for s, x in zip(held, st) if not offload.optimizer_at(s))
     # offloaded gradients are summed over host buffers: no device buffers for that stage's sum
     device_sync = [not offload.gradients_at(s) for s in held]
-    preposted = sum(x.bucket for x, n, d in zip(st, groups, device_sync) if exchange and n == 2 and d)
+    # the peer's bucket, posted at the step's start, until the stage's sum is waited for
+    posted = [x.bucket if exchange and n == 2 and d else 0 for x, n, d in zip(st, groups, device_sync)]
+    preposted = sum(posted)
     extra = [x.full_stash if x.stash != x.full_stash else 0 for x in st]  # a recomputing backward's transient
     packed = [offload.packed_at(s) for s in held]
     summed = [x.bucket if n > 1 and d else 0 for x, n, d in zip(st, groups, device_sync)]
     copies = [x.params + x.optimizer for x in st]  # post-validation keeps the whole state (no sharding, no offload)
 
     def priced(state: tuple[tuple[int, ...], ...]) -> WorkerMemory:
-        live, grads, transient, out, inn, flats, resident, saved, computing = state
+        live, grads, transient, out, inn, flats, resident, saved, done, computing = state
         params = sum(x.params if not p else x.pack_peak * c for r, c, x, p in zip(resident, computing, st, packed)
                      if r or p)
         act = sum(c * x.stash + t * e for c, t, x, e in zip(live, transient, st, extra))
         # in packs, gradients leave as the backward makes them: one pack's at most, only while it computes
         g = sum((x.pack_max * c if p else x.params) for f, c, x, p in zip(grads, computing, st, packed) if f)
         msgs = sum(o * x.msg_out + i * x.msg_in for o, i, x in zip(out, inn, st))
-        sync = preposted + sum(b for f, b in zip(flats, summed) if f)
+        sync = preposted + sum(b for f, b in zip(flats, summed) if f) - sum(b for f, b in zip(done, posted) if f)
         return WorkerMemory(params, opt, g, act, msgs, sync, sum(c for f, c in zip(saved, copies) if f))
 
     if flat is not None and not any(packed):
@@ -322,7 +325,7 @@ def _worker(held: list[int], groups: list[int], states: Sequence[tuple[tuple[int
         # first of the largest priced in full (the same state the loop below keeps)
         params = [x.params for x in st]
         coef = (*(x.stash for x in st), *params, *extra, *(x.msg_out for x in st), *(x.msg_in for x in st), *summed,
-                *params, *copies)
+                *params, *copies, *(-b for b in posted))
         totals = [sum(map(mul, f, coef)) for f in flat]
         top = max(totals, default=0)
         if not totals or top + opt + preposted <= 0:
