@@ -56,6 +56,7 @@ def test_micro_batch_that_cannot_fit_is_refused_with_the_estimate():
     msg = str(e.value)
     assert msg.startswith("--micro-batch-size 100000 cannot fit") and "GiB at worker" in msg
     assert "activations" in msg and "available on this machine" in msg
+    assert "change: --recompute, a smaller --micro-batch-size, more --stages" in msg, msg
     # the same estimate against an explicit budget; a small micro-batch fits
     with pytest.raises(ConfigError, match="--memory-per-worker 1MiB"):
         compile_job(TrainConfig.from_flags(**TINY, memory_per_worker="1MiB"))

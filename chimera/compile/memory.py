@@ -21,7 +21,7 @@ from chimera.config import ConfigError, TrainConfig
 from chimera.job import OptimizerShards
 from chimera.offload.lowering import lower
 from chimera.offload.policy import EVERYTHING, Offload, ladder
-from chimera.plan.fit import OverBudget, available_memory, fit_offload
+from chimera.plan.fit import OverBudget, available_memory, fit_offload, levers
 from chimera.plan.memory import WorkerMemory, worker_memory
 from chimera.profile import Profile
 from chimera.profile.shapes import shapes_profile
@@ -146,14 +146,17 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
     worst = max(range(len(mem)), key=lambda w: mem[w].total)
     peak = mem[worst]
     if peak.total > budget.bytes:
+        what = ("--post-validate" if pv and peak.rollback > peak.activations
+                else f"--micro-batch-size {cfg.schedule.micro_batch_size}")
         raise BudgetError(
-            f"--micro-batch-size {cfg.schedule.micro_batch_size} cannot fit: the memory model estimates "
+            f"{what} cannot fit: the memory model estimates "
             f"{peak.total / GiB:.2f} GiB at worker {worst}'s peak (parameters {peak.params / GiB:.2f}, optimizer "
             f"{peak.optimizer / GiB:.2f}, gradients {peak.grads / GiB:.2f}, activations {peak.activations / GiB:.2f}, "
             f"messages {peak.messages / GiB:.2f}, gradient sums {peak.sync / GiB:.2f}, rollback copies "
             f"{peak.rollback / GiB:.2f} GiB) but a worker has "
-            f"{budget.bytes / GiB:.2f} GiB ({budget.source}); lower --micro-batch-size, add --recompute or more "
-            "--stages, or set --memory-per-worker", peak.total)
+            f"{budget.bytes / GiB:.2f} GiB ({budget.source}); change: "
+            f"{''.join(f'{x}, ' for x in levers(peak, t.recompute, pv, off))}more --stages, or set "
+            "--memory-per-worker", peak.total)
     return MemoryVerdict(off, lowered, peak)
 
 

@@ -95,17 +95,26 @@ def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Seq
     packed = any(s.pack for s in last.stages)
     hint = f"--offload {more[-1].name} or auto, " if more else ("--offload-pack 1 (weights in packs of layers), "
                                                                 if not packed else "a smaller --offload-pack, ")
-    if post_validated:  # no offload combines with it
-        hint = ("no --post-validate (it keeps a copy of every stage's weights and optimizer state from the stage's "
-                "update to the step's end, and no offload combines with it), ")
-    # only what lowers the last peak tried: activations at the peak (recomputation, micro-batch size), weights that
-    # move (their prefetch depth)
-    fewer = [*(["--recompute"] if m.activations and not recompute else []),
-             *(["a smaller --micro-batch-size"] if m.activations or m.messages else []),
-             *(["a smaller --prefetch"] if last.weights and any(x.prefetch for x in last.stages) else [])]
+    if post_validated:  # no offload combines with it: levers() names it
+        hint = ""
     raise OverBudget(f"the configuration needs more than the budget of {budget} bytes ({budget / 2**20:.1f} MiB) per "
                      f"worker: {'; '.join(tried)}. Change: {hint}more stages (--stages), "
-                     f"{''.join(f'{x}, ' for x in fewer)}or a larger --memory-per-worker", least or 0)
+                     f"{''.join(f'{x}, ' for x in levers(m, recompute, post_validated, last))}or a larger "
+                     "--memory-per-worker", least or 0)
+
+
+def levers(peak: WorkerMemory, recompute: bool, post_validated: bool = False, offload: Offload | None = None
+           ) -> list[str]:
+    """The flags that lower ``peak`` besides more stages and more memory, only those that act on what it holds:
+    no --post-validate where its rollback copies count, recomputation and a smaller micro-batch where it holds
+    activations or messages, a smaller prefetch where ``offload`` moves whole stages' weights ahead of use."""
+    return [*(["no --post-validate (it keeps a copy of every stage's weights and optimizer state from the stage's "
+               "update to the step's end, and no offload combines with it)"] if post_validated and peak.rollback
+              else []),
+            *(["--recompute"] if peak.activations and not recompute else []),
+            *(["a smaller --micro-batch-size"] if peak.activations or peak.messages else []),
+            *(["a smaller --prefetch"] if offload is not None and offload.weights
+              and any(x.prefetch for x in offload.stages) else [])]
 
 
 def _least_per_stage(profile: Profile, schedule: Schedule, stage_layers: Sequence[Sequence[int]], unit: int,
