@@ -158,7 +158,7 @@ class Memory:
     Attributes:
         grads: the stage's weight gradients are allocated (True) or leave the device (False).
         flat: the stage's flat gradient-sum buffers are allocated (True) or released, the sum written back into
-            the gradients (False).
+            the gradients (False; a gloo replica pair's peer bucket, posted when the step starts, goes then too).
         resident: the stage's weights come onto the device (True) or leave it (False).
         transient: held only while it runs: ``out`` (its outgoing message), ``in`` (an incoming one),
             ``recompute`` (a recomputing backward's whole stash), ``pack`` (weights streamed in packs).
