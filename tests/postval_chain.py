@@ -1,6 +1,7 @@
 """A four-layer MLP for the post-validation tests (``--chain tests.postval_chain:mlp``): the first and the last
 layer's weights tied (so the tied gradient sums run), random regression data; ``mlp_inf`` feeds an infinite input to
-one micro-batch of step 2 (data-parallel rank 0), which makes that step's gradients not finite."""
+one micro-batch of step 2 (data-parallel rank 0), which makes that step's gradients not finite; ``mlp_untied`` has no
+tie."""
 
 from __future__ import annotations
 
@@ -54,6 +55,13 @@ def _chain(poison: tuple[int, int, int] | None) -> LayerChain:
 def mlp() -> LayerChain:
     """The MLP with finite data."""
     return _chain(None)
+
+
+def mlp_untied() -> LayerChain:
+    """The MLP without the tie (nothing then holds every worker at a step's end when training does not clip)."""
+    return LayerChain([_first, Block, Block, Block], loss=nn.functional.mse_loss,
+                      example=(torch.zeros(2, WIDTH), torch.zeros(2, WIDTH)), name="postval-mlp-untied",
+                      data=_data(None))
 
 
 def mlp_inf() -> LayerChain:

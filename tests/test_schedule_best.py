@@ -258,3 +258,23 @@ def test_auto_costs_of_a_delay_model_follow_its_rows():
     assert auto_costs(chain(2), 4, 2) == (Costs(fwd=0.02, bwd=0.02, wgrad=0.02), True)
     assert auto_costs(chain(4), 4, 2) == (Costs(fwd=0.01, bwd=0.01, wgrad=0.01), True)
     assert auto_costs(chain(4), 4, 3)[1] is False  # an odd micro-batch does not halve
+
+
+def test_profiled_auto_ranks_by_the_period_where_steps_overlap(monkeypatch):
+    """A measured model whose steps overlap in the runtime (no tie, no clipping, no post-validation): auto ranks its
+    candidates by the steady-state period of overlapped steps, simulated on each one's lowered schedule with the
+    profile, and predicts that; the steady state of the choice is faster than its one step. Clipping drains every
+    step: then by one step's makespan."""
+    import chimera.compile.schedule as compile_schedule
+
+    cfg = TrainConfig.from_flags(chain="tests.postval_chain:mlp_untied", schedule="auto", stages=2, micro_batches=4,
+                                 micro_batch_size=2, clip_grad=0.0, threads=1)
+    steady = compile_job(cfg)
+    assert "s/step in the steady state" in steady.decisions[0], steady.decisions
+    assert steady.prediction is not None and steady.prediction.source.endswith("period of 6 overlapped steps")
+    clipped = compile_job(cfg.with_flags(clip_grad=1.0))
+    assert "steady state" not in clipped.decisions[0] and "period" not in clipped.prediction.source
+    monkeypatch.setattr(compile_schedule, "steps_overlap", lambda cfg, chain: False)
+    one_step = compile_job(cfg)
+    assert one_step.layout == steady.layout, (one_step.decisions, steady.decisions)
+    assert steady.prediction.step_s < 0.98 * one_step.prediction.step_s, (steady.prediction, one_step.prediction)

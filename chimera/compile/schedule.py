@@ -18,14 +18,17 @@ from chimera.compile.model import Model
 from chimera.compile.shard import owned_pricer, shard_pass
 from chimera.config import ConfigError, TrainConfig
 from chimera.job import Layout, Prediction
+from chimera.offload.lowering import lower
 from chimera.plan import plan
-from chimera.plan.partition import partition
+from chimera.plan.costs import simulator_costs
+from chimera.plan.partition import layers_of, partition
 from chimera.plan.profiles import cached_profile, local_comm, sharing
 from chimera.profile import ProfileError
 from chimera.schedule import Costs, Schedule, ScheduleConfigError, build_schedule
 from chimera.schedule.best import best, explain, per_stage
 from chimera.schedule.io import load_schedule_file
 from chimera.schedule.registry import get as schedule_spec
+from chimera.schedule.steps import period as steps_period
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,9 @@ def _auto_profiled(cfg: TrainConfig, model: Model, budget: Budget, threads: int,
     except ValueError as e:
         raise ConfigError(f"--schedule auto: {e}") from None
     ranked = [e for e in result.ranked if e.candidate.spec.auto]
+    by = "period" if steps_overlap(cfg, model.chain) else "makespan"
+    if by == "period":  # consecutive steps overlap in the runtime: what a run measures is the steady state
+        ranked = _by_period(ranked, prof, cfg)
     if not ranked:
         reasons = sorted({e.reason for e in result.infeasible if e.reason})[:3]
         raise ConfigError(f"--schedule auto: no schedule runs D={s.stages}, N={s.micro_batches} here: "
@@ -153,9 +159,10 @@ def _auto_profiled(cfg: TrainConfig, model: Model, budget: Budget, threads: int,
     c = best_ev.candidate
     options = {"mode": c.mode, "chunks": c.chunks, "split_backward": c.split_backward}
     sched = build_schedule(c.schedule, s.stages, s.micro_batches, **options)
-    why = _why_profiled(ranked, best_ev, prof.model, prof.device)
+    why = _why_profiled(ranked, best_ev, prof.model, prof.device, by)
     prediction = Prediction(float(best_ev.step_s or 0.0), f"auto: {prof.model} on {prof.device}, {prof.threads} "
-                            "thread(s)", best_ev.bubble, best_ev.peak_memory)
+                            "thread(s)" + (f", period of {STEADY_STEPS} overlapped steps" if by == "period" else ""),
+                            best_ev.bubble, best_ev.peak_memory)
     decision = _decision(cfg, sched, c.schedule, options, why)
     return replace(decision, planned=best_ev.partition, prediction=prediction)
 
@@ -177,12 +184,30 @@ def _trusted_best(ranked: list[Any]) -> Any:
     return best_ev
 
 
-def _why_profiled(ranked: list[Any], chosen: Any, model: str, device: str) -> str:
-    """auto's choice against the plain schedules and the runner-up, with the model's predicted step times."""
+def _by_period(ranked: list[Any], prof: Any, cfg: TrainConfig) -> list[Any]:
+    """The planner's candidates, each on its own partition, with ``step_s`` the steady-state period of
+    :data:`STEADY_STEPS` overlapped steps of its lowered schedule (``chimera.schedule.steps``) priced with the
+    profile, fastest first (ties keep the planner's order)."""
+    t = cfg.training
+    out = []
+    for e in ranked:
+        c = e.candidate
+        sched = build_schedule(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode,
+                               data_parallel=c.data_parallel, split_backward=c.split_backward)
+        costs = simulator_costs(prof, layers_of(e.partition), c.unit, c.recompute, sched, t.optimizer, c.offload,
+                                t.clip_grad > 0)
+        out.append(replace(e, step_s=float(steps_period(lower(sched, c.offload), costs, STEADY_STEPS).period)))
+    return sorted(out, key=lambda e: e.step_s)
+
+
+def _why_profiled(ranked: list[Any], chosen: Any, model: str, device: str, by: str = "makespan") -> str:
+    """auto's choice against the plain schedules and the runner-up, with the model's predicted step times (``by``
+    ``period``: the steady state's)."""
     best_ev = chosen
     step = {e.candidate.label: e.step_s for e in ranked}
-    why = (f"auto: {best_ev.candidate.spec.label(best_ev.candidate.options)}: predicted {best_ev.step_s:.4g} s/step "
-           f"with {model}'s profile on {device}")
+    what = " in the steady state" if by == "period" else ""
+    why = (f"auto: {best_ev.candidate.spec.label(best_ev.candidate.options)}: predicted {best_ev.step_s:.4g} s/step"
+           f"{what} with {model}'s profile on {device}")
     for ref in ("chimera-direct", "1f1b"):
         if ref in step and ref != best_ev.candidate.label:
             why += f", {step[ref] / best_ev.step_s:.3f}x as fast as {ref.replace('-direct', '')} ({step[ref]:.4g} s)"
