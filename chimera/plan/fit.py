@@ -90,13 +90,14 @@ def fit_offload(profile: Profile, schedule: Schedule, stage_layers: Sequence[Seq
                      f"messages {m.messages}, gradient sums {m.sync}" +
                      (f", rollback copies {m.rollback}" if m.rollback else ""))
     last = offloads[-1]
-    top = max(s.level.amount for s in last.stages)
-    more = [lv for lv in ladder() if lv.amount > top]
-    packed = any(s.pack for s in last.stages)
-    hint = f"--offload {more[-1].name} or auto, " if more else ("--offload-pack 1 (weights in packs of layers), "
-                                                                if not packed else "a smaller --offload-pack, ")
+    more = [lv for lv in ladder() if lv.amount > max(s.level.amount for s in last.stages)]
     if post_validated:  # no offload combines with it: levers() names it
         hint = ""
+    elif more:
+        hint = f"--offload {more[-1].name} or auto, "
+    else:
+        hint = ("a smaller --offload-pack, " if any(s.pack for s in last.stages)
+                else "--offload-pack 1 (weights in packs of layers), ")
     raise OverBudget(f"the configuration needs more than the budget of {budget} bytes ({budget / 2**20:.1f} MiB) per "
                      f"worker: {'; '.join(tried)}. Change: {hint}more stages (--stages), "
                      f"{''.join(f'{x}, ' for x in levers(m, recompute, post_validated, last))}or a larger "

@@ -129,7 +129,7 @@ class MemoryWalk:
             return tuple(v if i == k else x for i, x in enumerate(vec))
 
         live = [0] * n
-        grads, flats, saved, summed = zero, zero, zero, zero
+        grads, flats, saved, waited = zero, zero, zero, zero
         row = schedule.actions[w]
         leaving = {k for k, spec in SPECS.items() if spec.memory.resident is False}
         evicted = {(a.pipe, a.stage) for a in row if a.kind in leaving}  # start off device
@@ -172,7 +172,7 @@ class MemoryWalk:
                 if r is None:
                     c = at(k, a.count)
                     rest = (grads, c if recompute else zero, c if out else zero, c if inn else zero, flats, resident,
-                            saved, summed, at(k, 1) if pack else zero)
+                            saved, waited, at(k, 1) if pack else zero)
                     r = rest_of[shape] = rests.setdefault(rest, len(rests))
                 seen[(tuple(live), r)] = None
             if change < 0:
@@ -180,8 +180,8 @@ class MemoryWalk:
             if g is False and grads[k]:
                 grads = put(grads, k, 0)
                 rest_of = {}
-            if flat is False and not summed[k]:
-                flats, summed = put(flats, k, 0), put(summed, k, 1)
+            if flat is False and not waited[k]:
+                flats, waited = put(flats, k, 0), put(waited, k, 1)
                 rest_of = {}
             if res is False and resident[k]:
                 resident = put(resident, k, 0)
@@ -310,14 +310,14 @@ def _worker(held: list[int], groups: list[int], states: Sequence[tuple[tuple[int
     copies = [x.params + x.optimizer for x in st]  # post-validation keeps the whole state (no sharding, no offload)
 
     def priced(state: tuple[tuple[int, ...], ...]) -> WorkerMemory:
-        live, grads, transient, out, inn, flats, resident, saved, done, computing = state
+        live, grads, transient, out, inn, flats, resident, saved, waited, computing = state
         params = sum(x.params if not p else x.pack_peak * c for r, c, x, p in zip(resident, computing, st, packed)
                      if r or p)
         act = sum(c * x.stash + t * e for c, t, x, e in zip(live, transient, st, extra))
         # in packs, gradients leave as the backward makes them: one pack's at most, only while it computes
         g = sum((x.pack_max * c if p else x.params) for f, c, x, p in zip(grads, computing, st, packed) if f)
         msgs = sum(o * x.msg_out + i * x.msg_in for o, i, x in zip(out, inn, st))
-        sync = preposted + sum(b for f, b in zip(flats, summed) if f) - sum(b for f, b in zip(done, posted) if f)
+        sync = preposted + sum(b for f, b in zip(flats, summed) if f) - sum(b for f, b in zip(waited, posted) if f)
         return WorkerMemory(params, opt, g, act, msgs, sync, sum(c for f, c in zip(saved, copies) if f))
 
     if flat is not None and not any(packed):
