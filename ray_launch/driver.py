@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from chimera.checkpoint import remove_partial
 from chimera.config import ConfigError
 from chimera.job import Job
-from chimera.runtime import summarize_step
+from chimera.runtime import Verdicts, summarize_step
 from chimera.runtime.comm import StallError
 from chimera.runtime.hang import hang_report
 from chimera.runtime.launch import WorkerError
@@ -344,9 +344,11 @@ class RayJob:
             raise ValueError(f"need ahead >= 0 and per_call >= 1, got ahead={ahead}, per_call={per_call}")
         queued: deque[tuple[int | list[int], list[Any]]] = deque()
 
+        verdicts = Verdicts(self.job)  # --post-validate: a step's record waits for its verdict (the next step's)
+
         def collect(step: int | list[int], refs: list[Any]) -> list[dict[str, Any]]:
             got = self.collect(step, refs)
-            return got if isinstance(got, list) else [got]
+            return [done for rec in (got if isinstance(got, list) else [got]) for done in verdicts.add(rec, rec)]
 
         try:
             for chunk in _chunks(steps, per_call):
@@ -358,6 +360,7 @@ class RayJob:
                     yield from collect(*queued.popleft())
             while queued:
                 yield from collect(*queued.popleft())
+            yield from verdicts.rest()
         except Exception:
             # the steps queued behind a failed one fail too: read their errors, or Ray logs each as unhandled
             refs = [ref for _, step_refs in queued for ref in step_refs]

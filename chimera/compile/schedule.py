@@ -115,11 +115,12 @@ STEADY_STEPS = 6
 
 def steps_overlap(cfg: TrainConfig, chain: Any) -> bool:
     """Whether the runtime overlaps consecutive steps (a worker starts its next step as soon as its own list allows):
-    nothing holds every worker at a step's end, neither a global gradient norm (clipping, post-validation) nor a sum
-    of tied weights across workers. Then the steady state's period is what a run measures, and ``auto`` ranks by it
+    nothing holds every worker at a step's end, neither a global gradient norm waited for there (clipping without
+    ``--post-validate``, which takes the norm's verdict during the next step) nor a sum of tied weights across
+    workers. Then the steady state's period is what a run measures, and ``auto`` ranks by it
     (``chimera.schedule.steps``); else by one step's makespan."""
     t = cfg.training
-    return t.clip_grad == 0 and not t.post_validate and not chain.tied_parameters()
+    return (t.clip_grad == 0 or t.post_validate) and not chain.tied_parameters()
 
 
 def _auto_profiled(cfg: TrainConfig, model: Model, budget: Budget, threads: int,
@@ -186,8 +187,8 @@ def _trusted_best(ranked: list[Any]) -> Any:
 
 def _by_period(ranked: list[Any], prof: Any, cfg: TrainConfig) -> list[Any]:
     """The planner's candidates, each on its own partition, with ``step_s`` the steady-state period of
-    :data:`STEADY_STEPS` overlapped steps of its lowered schedule (``chimera.schedule.steps``) priced with the
-    profile, fastest first (ties keep the planner's order)."""
+    :data:`STEADY_STEPS` overlapped steps of its lowered schedule (post-validated with ``--post-validate``;
+    ``chimera.schedule.steps``) priced with the profile, fastest first (ties keep the planner's order)."""
     t = cfg.training
     out = []
     for e in ranked:
@@ -196,7 +197,8 @@ def _by_period(ranked: list[Any], prof: Any, cfg: TrainConfig) -> list[Any]:
                                data_parallel=c.data_parallel, split_backward=c.split_backward)
         costs = simulator_costs(prof, layers_of(e.partition), c.unit, c.recompute, sched, t.optimizer, c.offload,
                                 t.clip_grad > 0)
-        out.append(replace(e, step_s=float(steps_period(lower(sched, c.offload), costs, STEADY_STEPS).period)))
+        lowered = lower(sched, c.offload, t.post_validate)
+        out.append(replace(e, step_s=float(steps_period(lowered, costs, STEADY_STEPS).period)))
     return sorted(out, key=lambda e: e.step_s)
 
 

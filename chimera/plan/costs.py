@@ -79,7 +79,7 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     sc = stage_costs(profile, stage_layers, unit, recompute)
     if offload is not None and offload.weights and profile.host_in is not None:
         _packed(profile, stage_layers, sc, offload, recompute, profile.device.startswith("cuda"))
-    optimizer_s = 0.0
+    optimizer_s, stage_opt = 0.0, [0.0] * len(stage_layers)
     if optimizer is not None:  # every worker steps its stages' parameters; the step ends with the slowest
         stage_opt = [sum(profile.layers[i].optimizer_s.get(optimizer, 0.0) for i in layers) for layers in stage_layers]
         optimizer_s = max(sum(stage_opt[s] for _, s in schedule.stages_of(w)) for w in range(schedule.workers))
@@ -90,8 +90,9 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
     bwd = [t * per_mb - w for t, w in zip(sc.bwd, wgrad)]  # the input-gradient part: B costs bwd + wgrad
     swap_in = [profile.host_in.time(b) for b in sc.param_bytes] if profile.host_in else 0.0
     swap_out = [profile.host_out.time(b) for b in sc.param_bytes] if profile.host_out else 0.0
+    # a post-validated lowering's STAGE_UPDATE: the stage's own share of the optimizer step
     base = Costs(fwd=fwd, bwd=bwd, wgrad=wgrad, optimizer=optimizer_s, swap_in=swap_in, swap_out=swap_out,
-                 copy_overlap=profile.device.startswith("cuda"))
+                 copy_overlap=profile.device.startswith("cuda"), extra=(("stage_update", tuple(stage_opt)),))
     if profile.comm is not None:
         base = _with_comm(base, profile, profile.comm, stage_layers, sc, schedule)
     if profile.actions:  # the runtime's own time per action (chimera profile --comm local measures it)

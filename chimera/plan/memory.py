@@ -6,7 +6,9 @@ what its schedule stashes for the backward (walked action by action: a forward s
 micro-batch, a backward releases it), the buffers of its messages (a send's until the peer has it, as on gloo and
 NCCL; same-host shared memory copies it when posted, so there the runtime holds less), and the gradient sum's
 buffers. With post-validated steps (a schedule lowered with STAGE_UPDATE actions) each update keeps a copy of its
-stage's weights and optimizer state until the step's end (``rollback``). With the optimizer state sharded (ZeRO-1,
+stage's weights and optimizer state until the next step's first update takes the step's verdict, and the step's
+gradients are set aside until then (``rollback``: the previous step's copies and gradients from the step's start
+to its first update, then this step's copies). With the optimizer state sharded (ZeRO-1,
 ``optimizer_owned``) only the owned share of a stage's state counts. The peak is
 taken over the worker's action list, so it follows the schedule's order exactly::
 
@@ -102,13 +104,13 @@ class MemoryWalk:
     """What a schedule's order implies for memory, whatever the partition: for every worker, the distinct states
     its action list passes through, as counts per stage it holds (units stashed, gradients allocated, a
     recomputation's transient units, messages out and in, a flat gradient copy, weights resident, a rollback copy,
-    the sum waited for).
+    the sum waited for, the previous step's rollback copy and gradients).
     Walked once per schedule; a partition is then priced by a dot product per state."""
 
     def __init__(self, schedule: Schedule) -> None:
         self.workers = [self._walk(schedule, w) for w in range(schedule.workers)]
         #: per worker, each state's counts but the last (what a stage computes now) as one tuple
-        self.flat = [[sum(state[:9], ()) for state in states] for _, _, states in self.workers]
+        self.flat = [[sum(state[:10], ()) for state in states] for _, _, states in self.workers]
 
     @staticmethod
     def _walk(schedule: Schedule, w: int) -> tuple[list[int], list[int], list[tuple[tuple[int, ...], ...]]]:
@@ -131,6 +133,9 @@ class MemoryWalk:
         live = [0] * n
         grads, flats, saved, waited = zero, zero, zero, zero
         row = schedule.actions[w]
+        # post-validated (a row that keeps rollback copies): the previous step's copies and gradients are held from
+        # the step's start until its first update takes their verdict (chimera.runtime.post_validate)
+        carried = (1,) * n if any(SPECS[a.kind].memory.saved for a in row) else zero
         leaving = {k for k, spec in SPECS.items() if spec.memory.resident is False}
         evicted = {(a.pipe, a.stage) for a in row if a.kind in leaving}  # start off device
         resident = tuple(int(ps not in evicted) for ps in pairs)
@@ -165,14 +170,14 @@ class MemoryWalk:
                 resident = put(resident, k, 1)
                 rest_of = {}
             if keep and not saved[k]:
-                saved = put(saved, k, 1)
+                saved, carried = put(saved, k, 1), zero
                 rest_of = {}
             if peak:
                 r = rest_of.get(shape)
                 if r is None:
                     c = at(k, a.count)
                     rest = (grads, c if recompute else zero, c if out else zero, c if inn else zero, flats, resident,
-                            saved, waited, at(k, 1) if pack else zero)
+                            saved, waited, carried, at(k, 1) if pack else zero)
                     r = rest_of[shape] = rests.setdefault(rest, len(rests))
                 seen[(tuple(live), r)] = None
             if change < 0:
@@ -193,7 +198,7 @@ class MemoryWalk:
             states.add((live_at, *by_index[r]))
         if not schedule.lowered:  # the step's end: every stage's gradient sum started (a lowered list says when)
             states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident, zero,
-                        zero, zero))
+                        zero, zero, zero))
         return held, groups, _maximal(states)
 
 
@@ -282,8 +287,9 @@ def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Seq
         groups = [frame.stage_group_size(s) for s in held]
         units = tuple(frame.pipe_microbatches(p) * most for p, _ in pairs)
         ones, zero = (1,) * len(held), (0,) * len(held)
-        state = (units, ones, zero, units, units, tuple(int(g > 1) for g in groups), ones,
-                 ones if post_validated else zero, zero, zero)
+        # post-validated: the previous step's copies and gradients (more than this step's copies alone)
+        state = (units, ones, zero, units, units, tuple(int(g > 1) for g in groups), ones, zero, zero,
+                 ones if post_validated else zero, zero)
         out = max(out, _worker(held, groups, [state], stages, exchange, Offload()).total)
     return out
 
@@ -291,7 +297,7 @@ def memory_ceiling(profile: Profile, frame: Schedule, stage_layers: Sequence[Seq
 def _worker(held: list[int], groups: list[int], states: Sequence[tuple[tuple[int, ...], ...]], stages: list[_Stage],
             exchange: bool, offload: Offload, flat: Sequence[tuple[int, ...]] | None = None,
             owned: Mapping[int, int] | None = None) -> WorkerMemory:
-    """The peak of one worker over its ``states`` (``flat``: the same states as one tuple of their first eight
+    """The peak of one worker over its ``states`` (``flat``: the same states as one tuple of their first ten
     counts each, :attr:`MemoryWalk.flat`, which prices them faster where no stage moves weights in packs;
     ``owned``: ZeRO-1's owned parameter bytes per stage)."""
     st = [stages[s] for s in held]
@@ -308,9 +314,10 @@ def _worker(held: list[int], groups: list[int], states: Sequence[tuple[tuple[int
     packed = [offload.packed_at(s) for s in held]
     summed = [x.bucket if n > 1 and d else 0 for x, n, d in zip(st, groups, device_sync)]
     copies = [x.params + x.optimizer for x in st]  # post-validation keeps the whole state (no sharding, no offload)
+    carry = [c + x.params for c, x in zip(copies, st)]  # the previous step's copies and its gradients
 
     def priced(state: tuple[tuple[int, ...], ...]) -> WorkerMemory:
-        live, grads, transient, out, inn, flats, resident, saved, waited, computing = state
+        live, grads, transient, out, inn, flats, resident, saved, waited, carried, computing = state
         params = sum(x.params if not p else x.pack_peak * c for r, c, x, p in zip(resident, computing, st, packed)
                      if r or p)
         act = sum(c * x.stash + t * e for c, t, x, e in zip(live, transient, st, extra))
@@ -318,14 +325,15 @@ def _worker(held: list[int], groups: list[int], states: Sequence[tuple[tuple[int
         g = sum((x.pack_max * c if p else x.params) for f, c, x, p in zip(grads, computing, st, packed) if f)
         msgs = sum(o * x.msg_out + i * x.msg_in for o, i, x in zip(out, inn, st))
         sync = preposted + sum(b for f, b in zip(flats, summed) if f) - sum(b for f, b in zip(waited, posted) if f)
-        return WorkerMemory(params, opt, g, act, msgs, sync, sum(c for f, c in zip(saved, copies) if f))
+        rollback = sum(c for f, c in zip(saved, copies) if f) + sum(c for f, c in zip(carried, carry) if f)
+        return WorkerMemory(params, opt, g, act, msgs, sync, rollback)
 
     if flat is not None and not any(packed):
         # unpacked, every category is linear in the counts (flags are 0 or 1): one dot product per state, the
         # first of the largest priced in full (the same state the loop below keeps)
         params = [x.params for x in st]
         coef = (*(x.stash for x in st), *params, *extra, *(x.msg_out for x in st), *(x.msg_in for x in st), *summed,
-                *params, *copies, *(-b for b in posted))
+                *params, *copies, *(-b for b in posted), *carry)
         totals = [sum(map(mul, f, coef)) for f in flat]
         top = max(totals, default=0)
         if not totals or top + opt + preposted <= 0:

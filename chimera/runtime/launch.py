@@ -65,7 +65,7 @@ def summarize_step(job: Job, results: list[StepResult]) -> dict[str, Any]:
         "step_time_s": step_time,
         "samples_per_s": per_s,
         "tokens_per_s": per_s * tokens if tokens is not None else None,
-        "grad_norm": max(r.grad_norm for r in results),
+        "grad_norm": max(r.grad_norm for r in results),  # post-validated: set by Verdicts when its verdict comes
         "microbatch_losses": count,
         "comm_payload": job.run.comm_payload,
         "training_result": job.run.is_training_result,
@@ -81,16 +81,56 @@ def summarize_step(job: Job, results: list[StepResult]) -> dict[str, Any]:
         **({"checkpoint": str(step_dir(job.checkpoint.dir, results[0].step + 1))}
            if job.checkpoint.dir and due(results[0].step, job.checkpoint.every, job.run.steps) else {}),
         "gc_s": max(r.gc_s for r in results),
-        **({"update": _agreed_update(results)} if job.run.post_validate else {}),
+        **({"_verdicts": _agreed_verdicts(results), "repeated": max(r.repeated for r in results)}
+           if job.run.post_validate else {}),
     }
 
 
-def _agreed_update(results: list[StepResult]) -> str:
-    """What every worker's post-validation decided about the step (one global norm: they agree)."""
-    seen = {r.update for r in results}
-    if len(seen) != 1:
-        raise WorkerError(f"step {results[0].step}: the workers' post-validations disagree ({sorted(seen)})")
-    return seen.pop()
+def _agreed_verdicts(results: list[StepResult]) -> dict[int, tuple[float, str]]:
+    """The verdicts the workers took in one call, by step (one global norm: they agree)."""
+    out: dict[int, tuple[float, str]] = {}
+    for r in results:
+        for step, (norm, outcome) in r.verdicts.items():
+            seen = out.setdefault(step, (norm, outcome))
+            if seen[1] != outcome:
+                raise WorkerError(f"step {step}: the workers' post-validations disagree ({seen[1]}, {outcome})")
+    return out
+
+
+class Verdicts:
+    """Post-validated steps (``--post-validate``) end without their verdict, which the next step takes: this holds
+    each step's record until its verdict arrives, then fills in ``grad_norm`` and ``update`` (kept, redone,
+    skipped) and releases the records in step order. A record whose verdict never came (a run stopped between two
+    steps; its checkpoint drains it) is released by :meth:`rest` with ``update`` "unvalidated"."""
+
+    def __init__(self, job: Job) -> None:
+        self.on = job.run.post_validate
+        self.held: dict[int, tuple[dict[str, Any], Any]] = {}
+        self.known: dict[int, tuple[float, str]] = {}
+
+    def add(self, record: dict[str, Any], item: Any) -> list[Any]:
+        """Take one step's ``record`` (and the ``item`` that carries it); return the items now complete."""
+        if not self.on:
+            return [item]
+        self.known.update(record.pop("_verdicts", {}))
+        self.held[record["step"]] = (record, item)
+        out = []
+        for step in sorted(self.held):
+            if step not in self.known:
+                break
+            rec, it = self.held.pop(step)
+            rec["grad_norm"], rec["update"] = self.known.pop(step)
+            out.append(it)
+        return out
+
+    def rest(self) -> list[Any]:
+        """The items still held, marked unvalidated."""
+        out = []
+        for step in sorted(self.held):
+            rec, it = self.held.pop(step)
+            rec["update"] = "unvalidated"
+            out.append(it)
+        return out
 
 
 @dataclass
@@ -138,6 +178,7 @@ def local_steps(job: Job, *, return_state: bool = False, timeout_s: float | None
     remove_partial(job.checkpoint.dir)
     limit = timeout_s if timeout_s is not None else t.timeout_s * (t.steps + 2) + 120
     steps: dict[int, list[StepResult]] = {}
+    verdicts = Verdicts(job)
     states: dict[int, Any] = {}
     done: set[int] = set()
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +191,9 @@ def local_steps(job: Job, *, return_state: bool = False, timeout_s: float | None
                     steps.setdefault(payload.step, []).append(payload)
                     if len(steps[payload.step]) == world:
                         results = steps.pop(payload.step)
-                        yield "step", (summarize_step(job, results), results)
+                        record = summarize_step(job, results)
+                        for item in verdicts.add(record, (record, results)):
+                            yield "step", item
                 elif kind == "state":
                     states[rank] = torch.load(io.BytesIO(payload))
                 else:
@@ -158,6 +201,8 @@ def local_steps(job: Job, *, return_state: bool = False, timeout_s: float | None
                     if len(done) == world:
                         procs.finished = True
                         break
+    for item in verdicts.rest():
+        yield "step", item
     if return_state:
         yield "states", states
 

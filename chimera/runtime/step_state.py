@@ -89,7 +89,6 @@ class StepState:
     loss_sum: torch.Tensor | None = None
     loss_count: int = 0
     grad_norm: float = 0.0
-    update: str = ""  # what a post-validation decided (chimera.runtime.post_validate)
 
     def __post_init__(self) -> None:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)

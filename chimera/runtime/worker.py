@@ -64,7 +64,10 @@ class StepResult:
     gc_s: float = 0.0  # seconds of Python garbage collection after the step (--python-gc step), in step_time_s
     group_ops: dict[str, int] = field(default_factory=dict)  # process group -> operations posted on it
     lr: float = 0.0  # the learning rate of the step's update
-    update: str = ""  # --post-validate: what the validation decided (kept, redone, skipped)
+    # --post-validate: the verdicts taken in this call, step -> (global norm, kept / redone / skipped): the previous
+    # step's, and the step's own where it ends drained (the run's last step, a checkpoint's)
+    verdicts: dict[int, tuple[float, str]] = field(default_factory=dict)
+    repeated: int = 0  # --post-validate: runs of this step repeated (its previous step rolled back after it began)
 
 
 class PipelineWorker:
@@ -153,6 +156,7 @@ class PipelineWorker:
         if stall and stall[0] == self.rank:
             time.sleep(stall[1])
         t_start = time.perf_counter()
+        repeated = self.post.repeated if self.post is not None else 0
         st = StepState(step, self.device)
         rec = self.recorder if (self.recorder and self.job.timeline.records(step)) else None
         if rec:
@@ -163,6 +167,16 @@ class PipelineWorker:
             self.ledger.start_step()
         try:
             self.executor.run(st, rec, self.ledger)
+            while self.post is not None and self.post.settle():  # the previous step rolled back: run this one again
+                st = StepState(step, self.device)
+                if rec:
+                    rec.start_step(step)
+                self.comm.start_step()
+                self.stages.start_step()
+                self.executor.run(st, rec, self.ledger)
+            if self.post is not None and (self.post.cautious or step == self.run.steps - 1
+                                          or self._checkpoint_due(step)):
+                self.post.drain()  # nothing of the next step runs before the verdict
         except BaseException:
             self.failed_step = step  # keeps its position for pending()
             raise
@@ -172,7 +186,9 @@ class PipelineWorker:
                                f"more than --memory-per-worker ({self.budget} bytes): {held}; raise the budget or "
                                "offload more (--offload)")
         events = rec.finish() if rec else []
-        loss_sum, loss_count, grad_norm, update = float(st.loss_sum), st.loss_count, st.grad_norm, st.update
+        loss_sum, loss_count, grad_norm = float(st.loss_sum), st.loss_count, st.grad_norm
+        verdicts = self.post.taken() if self.post is not None else {}
+        repeated = (self.post.repeated - repeated) if self.post is not None else 0
         del st  # its garbage goes in this step's collection
         gc_s = self.collector.after_step()
         elapsed = time.perf_counter() - t_start
@@ -181,14 +197,19 @@ class PipelineWorker:
         return StepResult(step, self.rank, loss_sum, loss_count, elapsed, grad_norm, events, digests,
                           self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {},
                           self.stages.host.moved if self.stages.host else 0, held, gc_s, self.comm.group_ops(),
-                          self.stages.lr, update)
+                          self.stages.lr, verdicts, repeated)
 
     def save(self, step: int) -> str:
         """Write a checkpoint of the state after ``step`` (the last step run) now, on every rank at once; returns
         its directory (a launcher stopping a run early: ``chimera train`` on SIGTERM)."""
         if self.checkpoints is None or self.job.checkpoint.dir is None:
             raise RuntimeError(f"{self.name}: the job has no checkpoint directory")
+        if self.post is not None:  # the state saved is validated (every rank drains: one allreduce)
+            self.post.drain()
         return self.checkpoints.save_now(step)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        return self.checkpoints is not None and self.checkpoints.due(step)
 
     def _optimizer_step(self, a: Action, st: StepState) -> None:
         self.batches.wait_sends()
@@ -206,7 +227,7 @@ class PipelineWorker:
         post.update((a.pipe, a.stage), st.step)
 
     def _validate(self, a: Action, st: StepState) -> None:
-        st.grad_norm, st.update = self._post_validation().validate(st.step)
+        self._post_validation().start(st.step)
 
     def _what(self, a: Action, step: int) -> str:
         return (f"{a.kind.value} {a.text()} ({a.kind.spec.name}; pipe {a.pipe}, stage {a.stage}, micro-batch "

@@ -12,13 +12,15 @@ Usage::
 Every worker runs its list of step 1, then its list of step 2, and so on (:func:`repeat`: step j's micro-batches are
 numbered after step j-1's), with what the step boundary waits for on top (:func:`boundaries`), in one of two modes:
 
-* drained (``overlap=False``; what the runtime does with clipping, post-validation or tied weights): a worker's
-  optimizer step follows the global gradient norm, which needs every stage's gradients, so every worker's optimizer step (in a compute-only schedule, which
-  has none: the next step's first action) waits until every worker has reached its own. The steps follow one
+* drained (``overlap=False``; what the runtime does with clipping without post-validation, or tied weights): a
+  worker's optimizer step follows the global gradient norm, which needs every stage's gradients, so every worker's
+  optimizer step (in a compute-only schedule, which has none: the next step's first action) waits until every
+  worker has reached its own. The steps follow one
   another: the period is one step's makespan (which includes the optimizer step where the schedule is lowered).
-* overlapped (``overlap=True``; what the runtime does when nothing syncs every worker at a step's end, and what
-  Zero Bubble's post-validation aims at: the global norm and the non-finite check validated after the update,
-  which is rolled back in the rare case they change it): a stage replica is updated
+* overlapped (``overlap=True``; what the runtime does when nothing syncs every worker at a step's end, and with
+  post-validation (Zero Bubble's: the global norm and the non-finite check validated after the update, which is
+  rolled back in the rare case they change it; ``chimera.runtime.post_validate``), where a worker's first stage
+  update of step j+1 waits for every worker's VALIDATE of step j and nothing else): a stage replica is updated
   as soon as the gradients of all of the stage's replicas are complete, and the next step's first compute of
   that stage on a worker waits for that and nothing more. Lowered, a replica's sum ends at its own
   ``ALLREDUCE_WAIT``, which the worker's list runs before the next step anyway; compute-only (the sum free), the
@@ -149,7 +151,25 @@ def boundaries(schedule: Schedule, steps: int, overlap: bool, _many: Schedule | 
         others = tuple(e for v, e in last.get((s, j - 1), {}).items() if v != w or _many is not None)
         if others:
             gates[i] = others
+    _verdicts(rows, step_of, base, gates)
     return gates
+
+
+def _verdicts(rows: Sequence[Sequence[Action]], step_of: Sequence[Sequence[int]], base: Sequence[int],
+              gates: dict[int, tuple[int, ...]]) -> None:
+    """Post-validated steps (a lowering with VALIDATE): a worker's first STAGE_UPDATE of step j takes step j-1's
+    verdict, so it waits for every worker's VALIDATE of step j-1 (the norm's allreduce)."""
+    validates: dict[int, list[int]] = {}
+    first_update: dict[tuple[int, int], int] = {}
+    for w, row in enumerate(rows):
+        for i, a in enumerate(row):
+            if a.kind is Kind.VALIDATE:
+                validates.setdefault(step_of[w][i], []).append(base[w] + i)
+            elif a.kind is Kind.STAGE_UPDATE:
+                first_update.setdefault((w, step_of[w][i]), base[w] + i)
+    for (w, j), i in first_update.items():
+        if j and validates.get(j - 1):
+            gates[i] = (*gates.get(i, ()), *validates[j - 1])
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""Post-validated steps against drained ones on the delay model: the same schedule and clipping, side by side.
+
+Each schedule runs three ways in one process per worker (``chimera.runtime.local_steps``, no Ray), with the delay
+model's sleeps as compute:
+
+* ``drained``: ``--clip-grad 1.0``: the global norm's allreduce ends every step on every worker;
+* ``post-validated``: ``--clip-grad 1.0 --post-validate``: each stage updated as soon as its gradients are
+  complete, the norm checked during the next step (``chimera.runtime.post_validate``);
+* ``no checks``: ``--clip-grad 0``: nothing global at a step's end (the floor post-validation aims at).
+
+A row's time is the mean over its workers of their own step times over the steps after the first (the first starts
+from an empty pipeline), i.e. the steady state's period; the simulated figures are the period of the job's own
+lowered schedule over the same number of steps, with the delay model's costs (drained: its steps in sequence).
+Every post-validated step must be kept (the delay model's gradients stay under the clip): the script says so.
+
+    python bench/post_validate.py --schedules zb-v,zb-h2,1f1b --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.chimera_runner import chimera_config  # noqa: E402
+from bench.workloads import WORKLOADS  # noqa: E402
+from chimera.compile import compile_job  # noqa: E402
+from chimera.compile.schedule import auto_costs  # noqa: E402
+from chimera.runtime.launch import local_steps  # noqa: E402
+from chimera.schedule.steps import period  # noqa: E402
+
+VARIANTS = {"drained": {"clip_grad": 1.0}, "post-validated": {"clip_grad": 1.0, "post_validate": True},
+            "no checks": {"clip_grad": 0.0}}
+
+
+def measure(workload: str, schedule: str, variant: str, steps: int) -> tuple[float, float, list[str]]:
+    """(measured period s, simulated period s, post-validation outcomes) of one row."""
+    w = WORKLOADS[workload]
+    cfg = chimera_config(w, schedule, steps).with_flags(**VARIANTS[variant])
+    job = compile_job(cfg)
+    times: dict[int, list[float]] = {}
+    outcomes = []
+    for kind, payload in local_steps(job):
+        if kind == "step":
+            record, results = payload
+            outcomes.append(record.get("update", ""))
+            for r in results:
+                if r.step > 0:
+                    times.setdefault(r.rank, []).append(r.step_time_s)
+    measured = statistics.mean(statistics.mean(t) for t in times.values())
+    costs, _ = auto_costs(job.chain, job.schedule.stages, w.micro_batch_size)
+    sim = period(job.schedule, costs, steps, overlap=variant != "drained")
+    return measured, float((sim.ends[-1] - sim.ends[0]) / (steps - 1)), outcomes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="delay-d4-n8", choices=sorted(k for k in WORKLOADS if k.startswith("delay")))
+    ap.add_argument("--schedules", default="zb-v,zb-h2,1f1b")
+    ap.add_argument("--steps", type=int, default=6, help="steps per row (the first is not timed)")
+    args = ap.parse_args()
+    print(f"{args.workload}, {args.steps} steps per row, steps after the first timed\n")
+    print("| schedule | variant | measured s / step | simulated period s | measured / simulated - 1 | "
+          "/ drained (measured) | updates |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.schedules.split(","):
+        base = None
+        for variant in VARIANTS:
+            m, s, outcomes = measure(args.workload, name, variant, args.steps)
+            base = base or m
+            seen = ", ".join(f"{o} {outcomes.count(o)}" for o in sorted(set(outcomes)) if o) or "—"
+            print(f"| {name} | {variant} | {m:.3f} | {s:.3f} | {m / s - 1:+.3f} | {m / base:.3f} | {seen} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
