@@ -225,9 +225,9 @@ def test_ranking_by_period_counts_the_overlapped_step_boundary():
 
 
 def test_auto_ranks_by_the_steady_state_when_steps_overlap():
-    """Without a step-wide sync (no clipping, no post-validation, no tied weights) the runtime overlaps consecutive
-    steps, so training's auto ranks by the simulated period of consecutive steps; with clipping, by one step's
-    makespan. A budget (the memory walk marks the ranking again) keeps the period's order."""
+    """Without a step-wide sync (no clipping, or clipping post-validated; no tied weights) the runtime overlaps
+    consecutive steps, so training's auto ranks by the simulated period of consecutive steps; with clipping waited
+    for at each step's end, by one step's makespan. A budget (the memory walk marks the ranking again) keeps the period's order."""
     base = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": 16, "fwd_s": 0.025, "rows": 2},
                                   schedule="auto", stages=8, micro_batches=8, micro_batch_size=2, partition="uniform",
                                   clip_grad=0.0)
@@ -236,6 +236,9 @@ def test_auto_ranks_by_the_steady_state_when_steps_overlap():
     assert steady.decisions[0].startswith("auto: chimera-relisted: period 1.2, makespan 1.275")
     drained = compile_job(base.with_flags(clip_grad=1.0))
     assert drained.decisions[0].startswith("auto: chimera4: makespan 1.25"), drained.decisions[0]
+    # post-validated, clipping takes its verdict during the next step: the steps overlap again
+    checked = compile_job(base.with_flags(clip_grad=1.0, post_validate=True))
+    assert checked.decisions[0].startswith("auto: chimera-relisted: period 1.2"), checked.decisions[0]
     assert compile_job(base.with_flags(memory_per_worker="4GiB")).layout.schedule == "chimera-relisted"
     # D = N = 4: both repeat every 3N, a tie (to the rounding of float costs) that the shorter first step breaks
     small = compile_job(base.with_flags(stages=4, micro_batches=4, model_overrides={"num_blocks": 8, "fwd_s": 0.025,
@@ -281,6 +284,8 @@ def test_profiled_auto_ranks_by_the_period_where_steps_overlap():
     assert steady.prediction is not None and steady.prediction.source.endswith("period of 6 overlapped steps")
     clipped = compile_job(cfg.with_flags(clip_grad=1.0))
     assert "steady state" not in clipped.decisions[0] and "period" not in clipped.prediction.source
+    checked = compile_job(cfg.with_flags(clip_grad=1.0, post_validate=True))  # its verdict in the next step
+    assert checked.prediction.source.endswith("period of 6 overlapped steps"), checked.prediction
 
     # D = 4, N = 8, F = I = W: the zero-bubble schedules' next step starts while their drain ends (3N + ...)
     prof = synthetic.profile([synthetic.layer(i, 1e-3, 1 << 16, 1 << 12, 1 << 10, [2]) for i in range(8)], [2])

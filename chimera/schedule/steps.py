@@ -167,7 +167,7 @@ def _verdicts(rows: Sequence[Sequence[Action]], step_of: Sequence[Sequence[int]]
                 validates.setdefault(step_of[w][i], []).append(base[w] + i)
             elif a.kind is Kind.STAGE_UPDATE:
                 first_update.setdefault((w, step_of[w][i]), base[w] + i)
-    for (w, j), i in first_update.items():
+    for (_, j), i in first_update.items():
         if j and validates.get(j - 1):
             gates[i] = (*gates.get(i, ()), *validates[j - 1])
 
