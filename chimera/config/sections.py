@@ -88,11 +88,13 @@ class TrainingSection:
     shard_optimizer: bool = option(False, "ZeRO-1: split each stage's optimizer state among the ranks holding a "
                                    "replica of it (both Chimera pipes, every data-parallel group); each steps the "
                                    "parameters it owns and sends them to the others; the same training bit for bit")
-    post_validate: bool = option(False, "update each stage as soon as its gradients are complete, without waiting "
-                                 "for the global gradient norm; check the norm at the end of the step and, where "
-                                 "clipping engages or it is not finite, roll the updates back exactly and redo "
-                                 "them clipped (or skip the step: a non-finite norm leaves the weights and optimizer "
-                                 "state as they were). Costs a copy of each stage's weights and optimizer state")
+    post_validate: bool = option(False, "update each stage as soon as its gradients are complete and start the "
+                                 "next step without waiting for the global gradient norm; the next step's first "
+                                 "update checks it and, where clipping engages or it is not finite, rolls the "
+                                 "updates back exactly, redoes them clipped (or skips the step: a non-finite norm "
+                                 "leaves the weights and optimizer state as they were) and runs that next step "
+                                 "again. Costs a copy of each stage's weights, optimizer state and gradients; "
+                                 "checkpoints land on validated steps")
     p2p: str = option("auto", "how activations and gradients move between CPU workers: auto (through shared memory "
                       "between processes on one Linux x86-64 host, messages up to 256 KiB; gloo otherwise) or gloo "
                       "(always gloo's TCP)", choices=("auto", "gloo"))

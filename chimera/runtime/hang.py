@@ -23,7 +23,9 @@ def _peers(schedule: Schedule, worker: int, a: Action) -> list[int]:
         return [schedule.placement[(a.pipe, stage)]]
     if a.kind is Kind.ALLREDUCE_WAIT:
         return sorted({r % schedule.workers for r in schedule.stage_group(a.stage)} - {worker})
-    if a.kind in (Kind.OPTIMIZER_STEP, Kind.VALIDATE):  # the global gradient norm is summed over every rank
+    # the global gradient norm is summed over every rank: the optimizer step waits for it, and a post-validated
+    # stage update for the previous step's (VALIDATE only starts it)
+    if a.kind in (Kind.OPTIMIZER_STEP, Kind.STAGE_UPDATE):
         return [w for w in range(schedule.workers) if w != worker]
     return []
 

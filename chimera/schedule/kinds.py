@@ -305,14 +305,16 @@ register_kind("ALLREDUCE_WAIT", KindSpec("gradient allreduce wait", "AR_WAIT", R
                                          busy="sync_wait", memory=Memory(flat=False), family="sync"))
 register_kind("OPTIMIZER_STEP", KindSpec("optimizer step", "OPT", Role.UPDATE, Address.NONE, cost="optimizer",
                                          family="update"))
-# post-validated steps (chimera.schedule.lowering.post_validate): each stage replica updated as soon as its
-# gradients are complete (``stage_update``: a per-stage cost, 0 unless the costs name it), then one check of the
-# global gradient norm per worker, which rolls the updates back and redoes them where clipping or a non-finite norm
-# changes them (the rare case; its cost is not modelled); each update keeps its stage's weights and optimizer state
-# until the step's end, for that rollback
+# post-validated steps (chimera.schedule.lowering.post_validate, chimera.runtime.post_validate): each stage replica
+# updated as soon as its gradients are complete (``stage_update``: a per-stage cost, 0 unless the costs name it),
+# then VALIDATE starts the sum of the global gradient norm and the worker goes on; the next step's first update
+# takes the verdict (the steps simulator gates it on every worker's VALIDATE), which rolls the updates back and
+# redoes or skips them where clipping or a non-finite norm changes them (the rare case: that next step then runs
+# twice; not modelled). Each update keeps its stage's weights and optimizer state, and the step's gradients are set
+# aside, until that verdict (the memory model carries them into the next step up to its first update)
 register_kind("STAGE_UPDATE", KindSpec("stage update (post-validated)", "UPDATE", Role.UPDATE, Address.STAGE,
                                        cost="stage_update", memory=Memory(saved=True, peak=True), family="update"))
-register_kind("VALIDATE", KindSpec("post-validation of the step", "VALIDATE", Role.UPDATE, Address.NONE,
+register_kind("VALIDATE", KindSpec("post-validation of the step (its start)", "VALIDATE", Role.UPDATE, Address.NONE,
                                    family="update"))
 # offload (chimera.offload.lowering): the host holds the current weights, so a swap-out only releases the device
 # copy; gradients move out and are summed on the host

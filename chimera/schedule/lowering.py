@@ -14,8 +14,8 @@ Each pass takes and returns a :class:`Schedule`; :func:`lower` applies them in o
 :func:`post_validate` (an option, applied after :func:`lower`) replaces every worker's OPTIMIZER_STEP by a
 STAGE_UPDATE of each of its stage replicas, as soon as the replica's gradients are complete (right after its
 ALLREDUCE_WAIT; first, those that have no gradient sum), and one VALIDATE at the end (Zero Bubble's
-post-validation: the global norm is checked after the updates, which are rolled back and redone in the rare case
-that clipping or a non-finite norm changes them).
+post-validation: the global norm is checked after the updates, during the next step, and the updates are rolled
+back and redone in the rare case that clipping or a non-finite norm changes them; ``chimera.runtime.post_validate``).
 
 :func:`split_backward` (an option, not part of :func:`lower`) replaces every full backward B by its
 input-gradient part I and its weight-gradient part W; the allreduce of a stage then starts after its last W.
