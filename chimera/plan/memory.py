@@ -135,7 +135,7 @@ class MemoryWalk:
         row = schedule.actions[w]
         # post-validated (a row that keeps rollback copies): the previous step's copies and gradients are held from
         # the step's start until its first update takes their verdict (chimera.runtime.post_validate)
-        carried = (1,) * n if any(SPECS[a.kind].memory.saved for a in row) else zero
+        carried = (1,) * n if schedule.lowered and any(SPECS[a.kind].memory.saved for a in row) else zero
         leaving = {k for k, spec in SPECS.items() if spec.memory.resident is False}
         evicted = {(a.pipe, a.stage) for a in row if a.kind in leaving}  # start off device
         resident = tuple(int(ps not in evicted) for ps in pairs)
