@@ -9,9 +9,11 @@ model's sleeps as compute:
   complete, the norm checked during the next step (``chimera.runtime.post_validate``);
 * ``no checks``: ``--clip-grad 0``: nothing global at a step's end (the floor post-validation aims at).
 
-A row's time is the mean over its workers of their own step times over the steps after the first (the first starts
-from an empty pipeline), i.e. the steady state's period; the simulated figures are the period of the job's own
-lowered schedule over the same number of steps, with the delay model's costs (drained: its steps in sequence).
+A row's time is the steady state's period as the simulator defines it: ``(E_k - E_1) / (k - 1)``, ``E_j`` the
+latest end of step j on any worker (``StepResult.ended_s``, one clock for the processes of this host); the first
+step starts from an empty pipeline. The simulated figures are the period of the job's own lowered schedule over
+the same number of steps with the delay model's costs (drained: its steps in sequence), without the runtime's own
+costs (messages, optimizer), so the measured rows run a few per cent over them.
 Every post-validated step must be kept (the delay model's gradients stay under the clip): the script says so.
 
     python bench/post_validate.py --schedules zb-v,zb-h2,1f1b --steps 6
@@ -20,7 +22,6 @@ Every post-validated step must be kept (the delay model's gradients stay under t
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -42,16 +43,14 @@ def measure(workload: str, schedule: str, variant: str, steps: int) -> tuple[flo
     w = WORKLOADS[workload]
     cfg = chimera_config(w, schedule, steps).with_flags(**VARIANTS[variant])
     job = compile_job(cfg)
-    times: dict[int, list[float]] = {}
+    ends: dict[int, float] = {}
     outcomes = []
     for kind, payload in local_steps(job):
         if kind == "step":
             record, results = payload
             outcomes.append(record.get("update", ""))
-            for r in results:
-                if r.step > 0:
-                    times.setdefault(r.rank, []).append(r.step_time_s)
-    measured = statistics.mean(statistics.mean(t) for t in times.values())
+            ends[record["step"]] = max(r.ended_s for r in results)
+    measured = (ends[steps - 1] - ends[0]) / (steps - 1)
     costs, _ = auto_costs(job.chain, job.schedule.stages, w.micro_batch_size)
     sim = period(job.schedule, costs, steps, overlap=variant != "drained")
     return measured, float((sim.ends[-1] - sim.ends[0]) / (steps - 1)), outcomes

@@ -321,7 +321,8 @@ class RayJob:
         return "what every worker waits on (>..< on the grid):\n" + "\n".join(grids)
 
     def step(self, step: int) -> dict[str, Any]:
-        """Run one step on every worker; return the metrics record."""
+        """Run one step on every worker; return the metrics record. With ``--post-validate`` a step's verdict comes
+        with a later step's record (its ``_verdicts``); :meth:`steps` pairs them."""
         return self.collect(step, self.submit(step))
 
     def steps(self, steps: Iterable[int], ahead: int = 1, stop: Callable[[], bool] | None = None, per_call: int = 1

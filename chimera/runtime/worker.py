@@ -68,6 +68,7 @@ class StepResult:
     # step's, and the step's own where it ends drained (the run's last step, a checkpoint's)
     verdicts: dict[int, tuple[float, str]] = field(default_factory=dict)
     repeated: int = 0  # --post-validate: runs of this step repeated (its previous step rolled back after it began)
+    ended_s: float = 0.0  # CLOCK_MONOTONIC when the step ended here (one clock for the processes of a host)
 
 
 class PipelineWorker:
@@ -192,12 +193,13 @@ class PipelineWorker:
         del st  # its garbage goes in this step's collection
         gc_s = self.collector.after_step()
         elapsed = time.perf_counter() - t_start
+        ended = time.monotonic()
         digests = self.stages.digests() if self.run.check_replicas else {}
         held = self.checkpoints.after_step(step) if self.checkpoints else 0.0
         return StepResult(step, self.rank, loss_sum, loss_count, elapsed, grad_norm, events, digests,
                           self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {},
                           self.stages.host.moved if self.stages.host else 0, held, gc_s, self.comm.group_ops(),
-                          self.stages.lr, verdicts, repeated)
+                          self.stages.lr, verdicts, repeated, ended)
 
     def save(self, step: int) -> str:
         """Write a checkpoint of the state after ``step`` (the last step run) now, on every rank at once; returns
