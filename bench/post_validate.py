@@ -7,6 +7,8 @@ model's sleeps as compute:
 * ``drained``: ``--clip-grad 1.0``: the global norm's allreduce ends every step on every worker;
 * ``post-validated``: ``--clip-grad 1.0 --post-validate``: each stage updated as soon as its gradients are
   complete, the norm checked during the next step (``chimera.runtime.post_validate``);
+* ``post-validated, clipping every step``: ``--clip-grad 1e-9 --post-validate``: every step rolled back and redone
+  (the worst case: one repeated step, then drained steps until one is kept);
 * ``no checks``: ``--clip-grad 0``: nothing global at a step's end (the floor post-validation aims at).
 
 A row's time is the steady state's period as the simulator defines it: ``(E_k - E_1) / (k - 1)``, ``E_j`` the
@@ -14,7 +16,7 @@ latest end of step j on any worker (``StepResult.ended_s``, one clock for the pr
 step starts from an empty pipeline. The simulated figures are the period of the job's own lowered schedule over
 the same number of steps with the delay model's costs (drained: its steps in sequence), without the runtime's own
 costs (messages, optimizer), so the measured rows run a few per cent over them.
-Every post-validated step must be kept (the delay model's gradients stay under the clip): the script says so.
+The ``updates`` column counts what the verdicts decided (the delay model's gradients stay under a clip of 1.0).
 
     python bench/post_validate.py --schedules zb-v,zb-h2,1f1b --steps 6
 """
@@ -35,6 +37,7 @@ from chimera.runtime.launch import local_steps  # noqa: E402
 from chimera.schedule.steps import period  # noqa: E402
 
 VARIANTS = {"drained": {"clip_grad": 1.0}, "post-validated": {"clip_grad": 1.0, "post_validate": True},
+            "post-validated, clipping every step": {"clip_grad": 1e-9, "post_validate": True},
             "no checks": {"clip_grad": 0.0}}
 
 

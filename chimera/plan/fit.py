@@ -109,8 +109,9 @@ def levers(peak: WorkerMemory, recompute: bool, post_validated: bool = False, of
     """The flags that lower ``peak`` besides more stages and more memory, only those that act on what it holds:
     no --post-validate where its rollback copies count, recomputation and a smaller micro-batch where it holds
     activations or messages, a smaller prefetch where ``offload`` moves whole stages' weights ahead of use."""
-    return [*(["no --post-validate (it keeps a copy of every stage's weights and optimizer state from the stage's "
-               "update to the step's end, and no offload combines with it)"] if post_validated and peak.rollback
+    return [*(["no --post-validate (it keeps a copy of every stage's weights and optimizer state, and the step's "
+               "gradients, from the stage's update to the next step's first update, and no offload combines with "
+               "it)"] if post_validated and peak.rollback
               else []),
             *(["--recompute"] if peak.activations and not recompute else []),
             *(["a smaller --micro-batch-size"] if peak.activations or peak.messages else []),

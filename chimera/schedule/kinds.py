@@ -163,8 +163,9 @@ class Memory:
         transient: held only while it runs: ``out`` (its outgoing message), ``in`` (an incoming one),
             ``recompute`` (a recomputing backward's whole stash), ``pack`` (weights streamed in packs).
         peak: the state while it runs can be the worker's peak.
-        saved: a copy of the stage's weights and optimizer state is kept from here to the step's end (a
-            post-validated update's rollback copy).
+        saved: a copy of the stage's weights and optimizer state is kept from here to the next step's first such
+            action, which releases it with the step's gradients set aside (a post-validated update's rollback copy;
+            a list with such a kind starts carrying the previous step's).
     """
 
     grads: bool | None = None
