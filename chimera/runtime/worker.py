@@ -158,26 +158,11 @@ class PipelineWorker:
             time.sleep(stall[1])
         t_start = time.perf_counter()
         repeated = self.post.repeated if self.post is not None else 0
-        st = StepState(step, self.device)
         rec = self.recorder if (self.recorder and self.job.timeline.records(step)) else None
-        if rec:
-            rec.start_step(step)
-        self.comm.start_step()
-        self.stages.start_step()
         if self.ledger:
             self.ledger.start_step()
         try:
-            self.executor.run(st, rec, self.ledger)
-            while self.post is not None and self.post.settle():  # the previous step rolled back: run this one again
-                st = StepState(step, self.device)
-                if rec:
-                    rec.start_step(step)
-                self.comm.start_step()
-                self.stages.start_step()
-                self.executor.run(st, rec, self.ledger)
-            if self.post is not None and (self.post.cautious or step == self.run.steps - 1
-                                          or self._checkpoint_due(step)):
-                self.post.drain()  # nothing of the next step runs before the verdict
+            st = self._run(step, rec)
         except BaseException:
             self.failed_step = step  # keeps its position for pending()
             raise
@@ -200,6 +185,23 @@ class PipelineWorker:
                           self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {},
                           self.stages.host.moved if self.stages.host else 0, held, gc_s, self.comm.group_ops(),
                           self.stages.lr, verdicts, repeated, ended)
+
+    def _run(self, step: int, rec: EventRecorder | None) -> StepState:
+        """Run the action list for ``step``; post-validated, again where the previous step's rollback repeats it,
+        and with the step's own verdict taken where it must end drained (:mod:`chimera.runtime.post_validate`)."""
+        while True:
+            st = StepState(step, self.device)
+            if rec:
+                rec.start_step(step)  # a repeated run's events replace the first's
+            self.comm.start_step()
+            self.stages.start_step()
+            self.executor.run(st, rec, self.ledger)
+            if self.post is None or not self.post.settle():  # settle: the previous step rolled back, run again
+                break
+        if self.post is not None and (self.post.cautious or step == self.run.steps - 1
+                                      or self._checkpoint_due(step)):
+            self.post.drain()  # nothing of the next step runs before the verdict
+        return st
 
     def save(self, step: int) -> str:
         """Write a checkpoint of the state after ``step`` (the last step run) now, on every rank at once; returns
