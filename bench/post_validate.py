@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.chimera_runner import chimera_config  # noqa: E402
 from bench.workloads import WORKLOADS  # noqa: E402
 from chimera.compile import compile_job  # noqa: E402
-from chimera.compile.schedule import auto_costs  # noqa: E402
+from chimera.compile.schedule import auto_costs, tied_stages  # noqa: E402
 from chimera.runtime.launch import local_steps  # noqa: E402
 from chimera.schedule.steps import period  # noqa: E402
 
@@ -41,10 +41,12 @@ VARIANTS = {"drained": {"clip_grad": 1.0}, "post-validated": {"clip_grad": 1.0, 
             "no checks": {"clip_grad": 0.0}}
 
 
-def measure(workload: str, schedule: str, variant: str, steps: int) -> tuple[float, float, list[str]]:
+def measure(workload: str, schedule: str, variant: str, steps: int, tied: bool = False
+            ) -> tuple[float, float, list[str]]:
     """(measured period s, simulated period s, post-validation outcomes) of one row."""
     w = WORKLOADS[workload]
-    cfg = chimera_config(w, schedule, steps).with_flags(**VARIANTS[variant])
+    cfg = chimera_config(w, schedule, steps)
+    cfg = cfg.with_flags(**VARIANTS[variant], model_overrides={**cfg.model.overrides, "tied": tied})
     job = compile_job(cfg)
     ends: dict[int, float] = {}
     outcomes = []
@@ -55,7 +57,8 @@ def measure(workload: str, schedule: str, variant: str, steps: int) -> tuple[flo
             ends[record["step"]] = max(r.ended_s for r in results)
     measured = (ends[steps - 1] - ends[0]) / (steps - 1)
     costs, _ = auto_costs(job.chain, job.schedule.stages, w.micro_batch_size)
-    sim = period(job.schedule, costs, steps, overlap=variant != "drained")
+    pairs = [(a, b) for (a, _), (b, _) in job.chain.tied_parameters()]
+    sim = period(job.schedule, costs, steps, overlap=variant != "drained", tied=tied_stages(pairs, job.stage_layers))
     return measured, float((sim.ends[-1] - sim.ends[0]) / (steps - 1)), outcomes
 
 
@@ -64,15 +67,18 @@ def main() -> None:
     ap.add_argument("--workload", default="delay-d4-n8", choices=sorted(k for k in WORKLOADS if k.startswith("delay")))
     ap.add_argument("--schedules", default="zb-v,zb-h2,1f1b")
     ap.add_argument("--steps", type=int, default=6, help="steps per row (the first is not timed)")
+    ap.add_argument("--tied", action="store_true", help="tie the delay model's embedding and head weights (the sum "
+                    "of their gradients holds the first and the last stage's workers at each step)")
     args = ap.parse_args()
-    print(f"{args.workload}, {args.steps} steps per row, steps after the first timed\n")
+    print(f"{args.workload}{' (tied embedding and head)' if args.tied else ''}, {args.steps} steps per row, steps "
+          "after the first timed\n")
     print("| schedule | variant | measured s / step | simulated period s | measured / simulated - 1 | "
           "/ drained (measured) | updates |")
     print("|---|---|---|---|---|---|---|")
     for name in args.schedules.split(","):
         base = None
         for variant in VARIANTS:
-            m, s, outcomes = measure(args.workload, name, variant, args.steps)
+            m, s, outcomes = measure(args.workload, name, variant, args.steps, args.tied)
             base = base or m
             seen = ", ".join(f"{o} {outcomes.count(o)}" for o in sorted(set(outcomes)) if o) or "—"
             print(f"| {name} | {variant} | {m:.3f} | {s:.3f} | {m / s - 1:+.3f} | {m / base:.3f} | {seen} |",

@@ -303,3 +303,22 @@ def test_profiled_auto_ranks_by_the_period_where_steps_overlap():
         assert e.step_s <= one_step * (1 + 1e-9), (c.label, e.step_s, one_step)
         gains.append(one_step / e.step_s)
     assert max(gains) > 1.02, gains
+    # the first and the last layer tied: every period at least the untied one, ZB-H2's back near its one step (its
+    # last stage drains its W after stage 0 could start the next step, and the tied sum needs both)
+    from dataclasses import replace as with_fields
+
+    tied = synthetic.profile([with_fields(synthetic.layer(i, 1e-3, 1 << 16, 1 << 12, 1 << 10, [2]),
+                                          tied={7 - i: 1 << 16} if i in (0, 7) else {}) for i in range(8)], [2])
+    ranked_tied = [e for e in plan(tied, 4, 16, None, "adamw", fixed=fixed, prune=False).ranked
+                   if e.candidate.spec.auto]
+    free = {(e.candidate.label, str(e.partition)): e.step_s for e in periods}
+    held = {(e.candidate.label, str(e.partition)): e for e in _by_period(ranked_tied, tied, cfg)}
+    assert all(e.step_s >= free[k] * (1 - 1e-9) for k, e in held.items() if k in free)
+    h2 = next(e for (label, _), e in held.items() if label == "zb-h2")
+    c = h2.candidate
+    sched = build_schedule(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode,
+                           split_backward=c.split_backward)
+    costs = simulator_costs(tied, layers_of(h2.partition), c.unit, c.recompute, sched, "adamw", c.offload)
+    one_step, untied = float(simulate(lower(sched, c.offload), costs).makespan), free[("zb-h2", str(h2.partition))]
+    assert untied < one_step and (h2.step_s - untied) / (one_step - untied) > 0.9, (untied, h2.step_s, one_step)
+    assert "in the steady state" in compile_job(cfg.with_flags(chain="tests.postval_chain:mlp")).decisions[0]

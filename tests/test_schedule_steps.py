@@ -251,3 +251,29 @@ def test_chimera_relisted_repeats_at_3n_and_is_built_only_when_named():
     assert t.period == 24 and t.last == 24
     assert get("chimera-relisted").shares == 2
     assert all(label.split()[0] != "chimera-relisted" for label, _, _ in candidates(8, 8, auto_only=False))
+
+
+def test_tied_stages_hold_the_boundary_like_replicas():
+    """A model whose first and last layers share a weight (an embedding tied to the output layer) sums the two
+    stages' gradients before either updates, so stage 0's next-step compute also waits for the last stage's last W
+    of the step before. ZB-H2 (D = 4, N = 8, F = I = W), whose last stage drains its W after stage 0 could start
+    the next step, loses its overlap (period 24 -> 27, its makespan; measured on the delay model in
+    bench/RESULTS.md); ZB-V, whose V puts both ends on worker 0, keeps it (48)."""
+    h2 = build_schedule("zb-h2", 4, 8)
+    gates = boundaries(h2, 2, True, tied=((0, 3),))
+    rows, base = repeat(h2, 2).actions, [0]
+    for row in rows:
+        base.append(base[-1] + len(row))
+    last_w3 = max(base[3] + i for i, a in enumerate(rows[3][:len(rows[3]) // 2]) if a.kind is Kind.W)
+    first_f0 = base[0] + len(rows[0]) // 2  # worker 0's first action of step 2: a forward of stage 0
+    assert rows[0][len(rows[0]) // 2].kind is Kind.F and last_w3 in gates[first_f0]
+    assert last_w3 not in boundaries(h2, 2, True).get(first_f0, ())
+    assert (period(h2, EQUAL).period, period(h2, EQUAL, tied=((0, 3),)).period) == (24, 27)
+    assert period(h2, EQUAL, tied=((0, 3),)).period == period(h2, EQUAL, overlap=False).period
+    v = build_schedule("zb-v", 4, 8)
+    assert period(v, EQUAL).period == period(v, EQUAL, tied=((0, 7),)).period == 48
+    # schedule best's ranking (costs per D-stage share: a V's half stages cost half)
+    tied = {c.label: c.period for c in rank(4, 8, EQUAL, steps=5, by="period", joint=False,
+                                            tied=lambda parts: [(0, parts - 1)])}
+    free = {c.label: c.period for c in rank(4, 8, EQUAL, steps=5, by="period", joint=False)}
+    assert (free["zb-h2"], tied["zb-h2"]) == (24, 27) and free["zb-v"] == tied["zb-v"] == 24, (free, tied)

@@ -8,7 +8,7 @@ marked, the fastest that fits taken).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -89,13 +89,16 @@ def _auto(cfg: TrainConfig, model: Model, budget: Budget, shapes: Shapes) -> Sch
     s = cfg.schedule
     chain = model.chain
     costs, halving = auto_costs(chain, s.stages, s.micro_batch_size)
-    by = "period" if steps_overlap(cfg, chain) else "makespan"
-    _, ranked = best(s.stages, s.micro_batches, costs, halving=halving, layers=chain.num_layers,
-                     steps=STEADY_STEPS if by == "period" else 1, by=by, joint=False)
+    by = "period" if steps_overlap(cfg) else "makespan"
     method = "uniform" if s.partition == "planned" else s.partition
 
     def split(stages: int) -> list[list[int]]:
         return partition(chain, stages, method)
+
+    pairs = [(a, b) for (a, _), (b, _) in chain.tied_parameters()]
+    _, ranked = best(s.stages, s.micro_batches, costs, halving=halving, layers=chain.num_layers,
+                     steps=STEADY_STEPS if by == "period" else 1, by=by, joint=False,
+                     tied=(lambda parts: tied_stages(pairs, split(parts))) if pairs else None)
 
     def owned(sched: Schedule) -> list[dict[int, int]] | None:  # --shard-optimizer: each candidate's own shares
         wide = sched.with_data_parallel(s.data_parallel)
@@ -113,14 +116,21 @@ def _auto(cfg: TrainConfig, model: Model, budget: Budget, shapes: Shapes) -> Sch
 STEADY_STEPS = 6
 
 
-def steps_overlap(cfg: TrainConfig, chain: Any) -> bool:
+def steps_overlap(cfg: TrainConfig) -> bool:
     """Whether the runtime overlaps consecutive steps (a worker starts its next step as soon as its own list allows):
-    nothing holds every worker at a step's end, neither a global gradient norm waited for there (clipping without
-    ``--post-validate``, which takes the norm's verdict during the next step) nor a sum of tied weights across
-    workers. Then the steady state's period is what a run measures, and ``auto`` ranks by it
-    (``chimera.schedule.steps``); else by one step's makespan."""
+    nothing holds every worker at a step's end, no global gradient norm waited for there (clipping without
+    ``--post-validate``, which takes the norm's verdict during the next step). Tied weights hold only the workers
+    of their ends, which the period's step boundary models (:func:`tied_stages`). Then the steady state's period is
+    what a run measures, and ``auto`` ranks by it (``chimera.schedule.steps``); else by one step's makespan."""
     t = cfg.training
-    return (t.clip_grad == 0 or t.post_validate) and not chain.tied_parameters()
+    return t.clip_grad == 0 or t.post_validate
+
+
+def tied_stages(pairs: Sequence[tuple[int, int]], stage_layers: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """The groups of stages whose gradients are summed together: the stages of each tied pair of layers ``pairs``
+    under the split ``stage_layers`` (a pair on one stage is one parameter there: no group)."""
+    stage_of = {i: s for s, layers in enumerate(stage_layers) for i in layers}
+    return sorted({tuple(sorted({stage_of[a], stage_of[b]})) for a, b in pairs if stage_of[a] != stage_of[b]})
 
 
 def _auto_profiled(cfg: TrainConfig, model: Model, budget: Budget, threads: int,
@@ -149,7 +159,7 @@ def _auto_profiled(cfg: TrainConfig, model: Model, budget: Budget, threads: int,
     except ValueError as e:
         raise ConfigError(f"--schedule auto: {e}") from None
     ranked = [e for e in result.ranked if e.candidate.spec.auto]
-    by = "period" if steps_overlap(cfg, model.chain) else "makespan"
+    by = "period" if steps_overlap(cfg) else "makespan"
     if by == "period":  # consecutive steps overlap in the runtime: what a run measures is the steady state
         ranked = _by_period(ranked, prof, cfg)
     if not ranked:
@@ -198,7 +208,10 @@ def _by_period(ranked: list[Any], prof: Any, cfg: TrainConfig) -> list[Any]:
         costs = simulator_costs(prof, layers_of(e.partition), c.unit, c.recompute, sched, t.optimizer, c.offload,
                                 t.clip_grad > 0)
         lowered = lower(sched, c.offload, t.post_validate)
-        out.append(replace(e, step_s=float(steps_period(lowered, costs, STEADY_STEPS).period)))
+        layers = layers_of(e.partition)
+        pairs = [(i, j) for s in layers for i in s for j in prof.layers[i].tied]
+        step = steps_period(lowered, costs, STEADY_STEPS, tied=tied_stages(pairs, layers)).period
+        out.append(replace(e, step_s=float(step)))
     return sorted(out, key=lambda e: e.step_s)
 
 

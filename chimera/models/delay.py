@@ -9,6 +9,9 @@ bubbles reflect the schedule and the runtime, not CPU contention. On Linux the s
 to 1 ns (:func:`precise_sleep`), so that a sleep of tf lasts tf and ~0.02 ms, not ~0.08 ms more. With ``num_blocks = D`` and the uniform
 partition every stage holds exactly one sleeping block (the embedding and head are tiny linear layers).
 
+With ``tied``, the embedding's and the head's weights are one parameter (their gradients summed over the workers
+of the first and the last stage before the update), as a language model's are.
+
 With ``rows`` set (the micro-batch size), a block's sleeps scale with the rows of its batch, as compute does: half a
 micro-batch (Chimera's backward halving) sleeps half as long. Without it every call sleeps the full time.
 
@@ -46,6 +49,7 @@ class DelayConfig:
     bwd_s: float | None = None  # input-gradient seconds per block (None: fwd_s)
     wgrad_s: float | None = None  # weight-gradient seconds per block (None: fwd_s)
     rows: int | None = None  # the batch rows the seconds are for: r rows sleep r/rows of them (None: any batch the same)
+    tied: bool = False  # the embedding's weight and the head's are one parameter (as a language model ties them)
 
 
 _PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30
@@ -158,7 +162,8 @@ class DelayModel(LayerChain):
         self.config = config
         layers = [partial(_layer, config, i) for i in range(config.num_blocks + 2)]
         example = SyntheticRegressionDataset(config.hidden_size, 1, 0).get(0, 0, 0)
-        super().__init__(layers, _mse, example, name=name, data=partial(_data, config.hidden_size))
+        tied = [((0, "proj.weight"), (config.num_blocks + 1, "weight"))] if config.tied else []
+        super().__init__(layers, _mse, example, tied=tied, name=name, data=partial(_data, config.hidden_size))
 
     @property
     def block_seconds(self) -> tuple[float, float, float]:

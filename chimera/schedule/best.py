@@ -31,7 +31,7 @@ list as it is; ``joint=False`` leaves them out (a pick that a job is to run).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -86,15 +86,21 @@ def _num(x: Num) -> Num:
     return int(x) if x == int(x) else x
 
 
+#: for a candidate's stage count, the groups of stages whose gradients are summed together (tied parameters)
+TiedStages = Callable[[int], Sequence[Sequence[int]]]
+
+
 def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
          halving: bool = True, layers: int | None = None, weight_memory: Num = 0, steps: int = 1,
-         by: str = "makespan", sharded_memory: Num = 0, joint: bool = True) -> list[Choice]:
+         by: str = "makespan", sharded_memory: Num = 0, joint: bool = True, tied: TiedStages | None = None
+         ) -> list[Choice]:
     """Every candidate simulated with ``costs``; those that fit first, fastest first (then least memory).
     ``layers``: leave out candidates with more stages than the model has layers. ``steps`` >= 2: each also gets
     its period over that many overlapped steps; ``by``: rank by ``makespan`` or ``period`` (which needs it).
     ``sharded_memory``: the part of ``weight_memory`` that is optimizer state sharded over each stage's replicas
     (``--shard-optimizer``; :func:`owned_shares`). ``joint``: by ``period``, add the simulator-only jointly ordered
-    variants (module docstring)."""
+    variants (module docstring). ``tied``: a model's tied stages, which the period's step boundary waits for as
+    for a stage's replicas (``chimera.schedule.steps.boundaries``)."""
     _check_by(by, steps)
     out, split_ones = [], []
     for label, spec, options in candidates(stages, microbatches, halving, steady=by == "period"):
@@ -110,10 +116,11 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
         r = simulate(s, split)
         peak, shares = footprint(s, chunks, r.peak_activations)
         over = _over(s, chunks, peak, shares, memory_limit, weight_memory, sharded_memory)
-        per = steps_period(s, split, steps).period if steps > 1 else None
+        groups = tied(s.stages) if tied is not None else ()
+        per = steps_period(s, split, steps, tied=groups).period if steps > 1 else None
         out.append(Choice(label, spec.name, options, r.makespan, r.bubble, peak, not over, shares, over, s, per))
-        if by == "period" and joint and any(a.kind is Kind.W for row in s.actions for a in row):
-            split_ones.append((out[-1], split, r, chunks))
+        if by == "period" and joint and not groups and any(a.kind is Kind.W for row in s.actions for a in row):
+            split_ones.append((out[-1], split, r, chunks))  # (joint orders: untied models only)
     limits = (memory_limit, weight_memory, sharded_memory)
     return _sorted(out + (_deferred(out, split_ones, steps, limits) if split_ones else []), by)
 
@@ -194,11 +201,13 @@ def exclude(ranked: Sequence[Choice], over: dict[str, str], by: str = "makespan"
 
 def best(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None = None,
          halving: bool = True, layers: int | None = None, weight_memory: Num = 0, steps: int = 1,
-         by: str = "makespan", sharded_memory: Num = 0, joint: bool = True) -> tuple[Choice, list[Choice]]:
+         by: str = "makespan", sharded_memory: Num = 0, joint: bool = True, tied: TiedStages | None = None
+         ) -> tuple[Choice, list[Choice]]:
     """The fastest candidate that fits (by one step's ``makespan``, or by the ``period`` of ``steps`` consecutive
-    overlapped steps; ``joint``: as :func:`rank`), and the whole ranking; ScheduleConfigError when none fits."""
+    overlapped steps; ``joint``, ``tied``: as :func:`rank`), and the whole ranking; ScheduleConfigError when none
+    fits."""
     ranked = rank(stages, microbatches, costs, memory_limit, halving, layers, weight_memory, steps, by, sharded_memory,
-                  joint)
+                  joint, tied)
     if not ranked:
         few = f": the model has {layers} layers, fewer than the {stages} stages; lower --stages" if layers else ""
         raise ScheduleConfigError(f"no schedule builds for D={stages}, N={microbatches}{few}")

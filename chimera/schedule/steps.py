@@ -12,7 +12,7 @@ Usage::
 Every worker runs its list of step 1, then its list of step 2, and so on (:func:`repeat`: step j's micro-batches are
 numbered after step j-1's), with what the step boundary waits for on top (:func:`boundaries`), in one of two modes:
 
-* drained (``overlap=False``; what the runtime does with clipping without post-validation, or tied weights): a
+* drained (``overlap=False``; what the runtime does with clipping without post-validation): a
   worker's optimizer step follows the global gradient norm, which needs every stage's gradients, so every worker's
   optimizer step (in a compute-only schedule, which has none: the next step's first action) waits until every
   worker has reached its own. The steps follow one
@@ -24,7 +24,9 @@ numbered after step j-1's), with what the step boundary waits for on top (:func:
   as soon as the gradients of all of the stage's replicas are complete, and the next step's first compute of
   that stage on a worker waits for that and nothing more. Lowered, a replica's sum ends at its own
   ``ALLREDUCE_WAIT``, which the worker's list runs before the next step anyway; compute-only (the sum free), the
-  gate is the last weight-gradient action of every other replica of the stage. A worker's optimizer action, where
+  gate is the last weight-gradient action of every other replica of the stage, and (``tied``: a model's tied
+  parameters, summed over the workers of their stages before either updates) of every replica of the stages tied
+  to it. A worker's optimizer action, where
   lowered, stays where its list has it (its stages' updates, costed once at the end of its step). The start-up of
   step j+1 on the workers that finish step j early overlaps the drain of the others.
 
@@ -113,11 +115,13 @@ def _steps_of(many: Schedule, one: Schedule, steps: int, by_microbatch: bool) ->
     return [[a.microbatch // size[a.pipe] for a in row] for row in many.actions]
 
 
-def boundaries(schedule: Schedule, steps: int, overlap: bool, _many: Schedule | None = None
-               ) -> dict[int, tuple[int, ...]]:
+def boundaries(schedule: Schedule, steps: int, overlap: bool, _many: Schedule | None = None,
+               tied: Sequence[Sequence[int]] = ()) -> dict[int, tuple[int, ...]]:
     """The ordering edges between the steps of ``repeat(schedule, steps)`` (or of ``_many``, its steps ordered
     jointly by :func:`deferred`) (module docstring), as flat index -> the flat indices it waits for
-    (:class:`~chimera.schedule.replay.Replay`'s ``after``)."""
+    (:class:`~chimera.schedule.replay.Replay`'s ``after``). ``tied``: groups of stages whose gradients are summed
+    together (a model's tied parameters, e.g. ``((0, S - 1),)`` for an embedding tied to the output layer):
+    overlapped, a stage's next-step compute also waits for the other stages' of its group, as for its replicas."""
     many = repeat(schedule, steps) if _many is None else _many
     step_of = _steps_of(many, schedule, steps, _many is not None)
     rows = many.actions
@@ -146,9 +150,13 @@ def boundaries(schedule: Schedule, steps: int, overlap: bool, _many: Schedule | 
                 first.setdefault((w, a.pipe, a.stage, j), base[w] + i)
             if Res.WGRAD in SPECS[a.kind].produces:
                 last.setdefault((a.stage, j), {})[w] = base[w] + i
+    group = {s: (s,) for s in range(schedule.stages)}
+    for g in tied:
+        for s in g:
+            group[s] = tuple(sorted({*group[s], *g}))
     for (w, _, s, j), i in first.items():
         # the worker's own W came before in its list (a W deferred past its stage's update would deadlock here)
-        others = tuple(e for v, e in last.get((s, j - 1), {}).items() if v != w or _many is not None)
+        others = tuple(e for t in group[s] for v, e in last.get((t, j - 1), {}).items() if v != w or _many is not None)
         if others:
             gates[i] = others
     _verdicts(rows, step_of, base, gates)
@@ -206,10 +214,11 @@ def _exact(x: Fraction) -> Num:
 
 
 def simulate_steps(schedule: Schedule, costs: Costs | None = None, steps: int = 5, overlap: bool = True,
-                   defer_w: bool = False) -> StepTimes:
+                   defer_w: bool = False, tied: Sequence[Sequence[int]] = ()) -> StepTimes:
     """``steps`` consecutive steps of ``schedule`` (compute-only or lowered) simulated with ``costs`` in the mode
     ``overlap`` (module docstring); ScheduleError on deadlock. ``defer_w``: the steps ordered jointly, W
-    deferred across step boundaries (:func:`deferred`, ordered with ``costs``; overlapped boundary only)."""
+    deferred across step boundaries (:func:`deferred`, ordered with ``costs``; overlapped boundary only);
+    ``tied``: stages summed together (:func:`boundaries`)."""
     if defer_w:
         if not overlap:
             raise ValueError("deferring weight gradients across steps needs the overlapped step boundary "
@@ -217,7 +226,7 @@ def simulate_steps(schedule: Schedule, costs: Costs | None = None, steps: int = 
         many = deferred(schedule, steps, costs or Costs())
     else:
         many = repeat(schedule, steps)
-    r = Simulator(many, boundaries(schedule, steps, overlap, many if defer_w else None)).run(costs)
+    r = Simulator(many, boundaries(schedule, steps, overlap, many if defer_w else None, tied)).run(costs)
     return StepTimes(steps, overlap, step_ends(r, _steps_of(many, schedule, steps, defer_w), steps), r)
 
 
@@ -236,8 +245,8 @@ def step_ends(r: SimResult, step_of: Sequence[Sequence[int]], steps: int) -> lis
 
 
 def period(schedule: Schedule, costs: Costs | None = None, steps: int = 5, overlap: bool = True,
-           defer_w: bool = False) -> StepTimes:
+           defer_w: bool = False, tied: Sequence[Sequence[int]] = ()) -> StepTimes:
     """:func:`simulate_steps` with ``steps >= 2``: its ``period`` is the steady-state step length."""
     if steps < 2:
         raise ValueError(f"a period needs steps >= 2, got {steps}")
-    return simulate_steps(schedule, costs, steps, overlap, defer_w)
+    return simulate_steps(schedule, costs, steps, overlap, defer_w, tied)
