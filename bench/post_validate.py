@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.chimera_runner import chimera_config  # noqa: E402
 from bench.workloads import WORKLOADS  # noqa: E402
 from chimera.compile import compile_job  # noqa: E402
-from chimera.compile.schedule import auto_costs, tied_stages  # noqa: E402
+from chimera.compile.schedule import auto_costs  # noqa: E402
+from chimera.plan.period import tied_stages  # noqa: E402
 from chimera.runtime.launch import local_steps  # noqa: E402
 from chimera.schedule.steps import period  # noqa: E402
 

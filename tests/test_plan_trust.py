@@ -160,3 +160,29 @@ def test_plan_records_post_validation_and_a_run_that_adds_it_is_told(tmp_path):
         assert ("no --post-validate rollback copies" in run.prediction.trust) is not flag, run.prediction.trust
     peaks = [PlanFile.load(tmp_path / name).peak_memory_bytes for name in ("pv.json", "plain.json")]
     assert peaks[0] >= peaks[1], peaks  # the copies raise it where they are the peak (test_post_validate.py)
+
+
+def test_a_plan_for_overlapping_steps_predicts_the_period(tmp_path, capsys):
+    """Training without a global norm at a step's end (``--clip-grad 0``, or ``--post-validate``) overlaps its
+    steps, so ``chimera plan`` ranks its top rows by the steady state's period (each simulated for 6 overlapped
+    steps on its lowered schedule) and predicts that; with clipping drained, one step's makespan."""
+    from chimera.plan import plan
+    from chimera.plan.period import by_period
+
+    prof = _profile_of_bert(tmp_path, 2)
+    loaded = Profile.load(prof)
+    for clip, post in ((0.0, False), (1.0, True), (1.0, False)):
+        out = tmp_path / f"{clip}-{post}.json"
+        assert main(["plan", "--model", "bert-tiny", "--seq-len", "8", "--profile", prof, "--workers", "2",
+                     "--global-batch", "8", "--clip-grad", str(clip), "-o", str(out),
+                     *(["--post-validate"] if post else [])]) == 0
+        said = capsys.readouterr().out
+        result = plan(loaded, 2, 8, None, "lamb", clip=clip > 0, post_validated=post)
+        if clip == 0 or post:
+            top = by_period(result.ranked[:10], loaded, "lamb", clip > 0, post)
+            assert "the period of 6 overlapped steps" in said
+            assert top[0].step_s <= result.ranked[0].step_s * (1 + 1e-9)
+        else:
+            top = result.ranked
+            assert "overlapped" not in said
+        assert PlanFile.load(out).predicted_step_s == pytest.approx(top[0].step_s, rel=1e-12), (clip, post)

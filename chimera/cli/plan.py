@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from chimera.cli.common import add_model_args, model_of
@@ -19,6 +20,7 @@ from chimera.compile.names import choices
 from chimera.compile.shard import owned_pricer
 from chimera.config import FIELDS
 from chimera.plan import PlanError, PlanFile, plan
+from chimera.plan.period import STEADY_STEPS, by_period, steps_overlap
 from chimera.plan.planfile import summary
 from chimera.plan.profiles import trust_note
 from chimera.plan.report import report
@@ -75,6 +77,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         owned = owned_pricer(chain) if args.shard_optimizer else None
         result = plan(profile, args.workers, args.global_batch, limit, args.optimizer, args.top, stages=args.stages,
                       optimizer_owned=owned, clip=args.clip_grad > 0, post_validated=args.post_validate)
+        overlap = steps_overlap(args.clip_grad > 0, args.post_validate)
+        if overlap:  # training overlaps its steps: what it measures is the steady state's period
+            top = by_period(result.ranked[:args.top], profile, args.optimizer, args.clip_grad > 0,
+                            args.post_validate)
+            result = replace(result, ranked=top + result.ranked[args.top:])
         trust = trust_note(profile, args.workers, args.nodes)
         chosen = PlanFile.from_result(result, chain.name, profile.fingerprint, profile.device, trust=trust,
                                       tokens_per_sample=chain.tokens_per_sample(), clip_grad=args.clip_grad,
@@ -86,6 +93,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps([summary(e) for e in result.ranked[:args.top]]))
     else:
         print(report(result, args.top))
+        if overlap:
+            print(f"step s of the top {args.top}: the period of {STEADY_STEPS} overlapped steps (training overlaps "
+                  "its steps: no --clip-grad, or --post-validate); the rest by one step")
     out = chosen.save(args.output or f"profiles/{chain.name}.plan.json")
     print(f"trust: {trust or _as_taken(profile)}", file=sys.stderr if args.json else sys.stdout)
     print(f"plan: {out} ({chosen.flags['schedule']}, D={chosen.flags['stages']}, W={chosen.flags['data_parallel']}, "

@@ -8,7 +8,7 @@ marked, the fastest that fits taken).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -18,17 +18,16 @@ from chimera.compile.model import Model
 from chimera.compile.shard import owned_pricer, shard_pass
 from chimera.config import ConfigError, TrainConfig
 from chimera.job import Layout, Prediction
-from chimera.offload.lowering import lower
 from chimera.plan import plan
-from chimera.plan.costs import simulator_costs
-from chimera.plan.partition import layers_of, partition
+from chimera.plan.partition import partition
+from chimera.plan.period import STEADY_STEPS, by_period, tied_stages
+from chimera.plan.period import steps_overlap as overlapping
 from chimera.plan.profiles import cached_profile, local_comm, sharing
 from chimera.profile import ProfileError
 from chimera.schedule import Costs, Schedule, ScheduleConfigError, build_schedule
 from chimera.schedule.best import best, explain, per_stage
 from chimera.schedule.io import load_schedule_file
 from chimera.schedule.registry import get as schedule_spec
-from chimera.schedule.steps import period as steps_period
 
 
 @dataclass(frozen=True)
@@ -112,25 +111,11 @@ def _auto(cfg: TrainConfig, model: Model, budget: Budget, shapes: Shapes) -> Sch
     return _decision(cfg, choice.schedule, choice.name, options, explain(choice, ranked, by))
 
 
-#: consecutive steps ``auto`` simulates to rank by the steady state's period
-STEADY_STEPS = 6
-
-
 def steps_overlap(cfg: TrainConfig) -> bool:
-    """Whether the runtime overlaps consecutive steps (a worker starts its next step as soon as its own list allows):
-    nothing holds every worker at a step's end, no global gradient norm waited for there (clipping without
-    ``--post-validate``, which takes the norm's verdict during the next step). Tied weights hold only the workers
-    of their ends, which the period's step boundary models (:func:`tied_stages`). Then the steady state's period is
-    what a run measures, and ``auto`` ranks by it (``chimera.schedule.steps``); else by one step's makespan."""
-    t = cfg.training
-    return t.clip_grad == 0 or t.post_validate
-
-
-def tied_stages(pairs: Sequence[tuple[int, int]], stage_layers: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
-    """The groups of stages whose gradients are summed together: the stages of each tied pair of layers ``pairs``
-    under the split ``stage_layers`` (a pair on one stage is one parameter there: no group)."""
-    stage_of = {i: s for s, layers in enumerate(stage_layers) for i in layers}
-    return sorted({tuple(sorted({stage_of[a], stage_of[b]})) for a, b in pairs if stage_of[a] != stage_of[b]})
+    """Whether the runtime overlaps consecutive steps (a worker starts its next step as soon as its own list allows;
+    :func:`chimera.plan.period.steps_overlap`). Then the steady state's period is what a run measures, and
+    ``auto`` ranks by it (``chimera.schedule.steps``); else by one step's makespan."""
+    return overlapping(cfg.training.clip_grad > 0, cfg.training.post_validate)
 
 
 def _auto_profiled(cfg: TrainConfig, model: Model, budget: Budget, threads: int,
@@ -196,23 +181,10 @@ def _trusted_best(ranked: list[Any]) -> Any:
 
 
 def _by_period(ranked: list[Any], prof: Any, cfg: TrainConfig) -> list[Any]:
-    """The planner's candidates, each on its own partition, with ``step_s`` the steady-state period of
-    :data:`STEADY_STEPS` overlapped steps of its lowered schedule (post-validated with ``--post-validate``;
-    ``chimera.schedule.steps``) priced with the profile, fastest first (ties keep the planner's order)."""
+    """The planner's candidates ranked by the steady state's period with training's optimizer, clipping and
+    post-validation (:func:`chimera.plan.period.by_period`)."""
     t = cfg.training
-    out = []
-    for e in ranked:
-        c = e.candidate
-        sched = build_schedule(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode,
-                               data_parallel=c.data_parallel, split_backward=c.split_backward)
-        costs = simulator_costs(prof, layers_of(e.partition), c.unit, c.recompute, sched, t.optimizer, c.offload,
-                                t.clip_grad > 0)
-        lowered = lower(sched, c.offload, t.post_validate)
-        layers = layers_of(e.partition)
-        pairs = [(i, j) for s in layers for i in s for j in prof.layers[i].tied]
-        step = steps_period(lowered, costs, STEADY_STEPS, tied=tied_stages(pairs, layers)).period
-        out.append(replace(e, step_s=float(step)))
-    return sorted(out, key=lambda e: e.step_s)
+    return by_period(ranked, prof, t.optimizer, t.clip_grad > 0, t.post_validate, STEADY_STEPS)
 
 
 def _why_profiled(ranked: list[Any], chosen: Any, model: str, device: str, by: str = "makespan") -> str:
