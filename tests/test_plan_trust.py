@@ -162,10 +162,11 @@ def test_plan_records_post_validation_and_a_run_that_adds_it_is_told(tmp_path):
     assert peaks[0] >= peaks[1], peaks  # the copies raise it where they are the peak (test_post_validate.py)
 
 
-def test_a_plan_for_overlapping_steps_predicts_the_period(tmp_path, capsys):
+def test_a_plan_for_overlapping_steps_predicts_the_period(tmp_path, capsys, monkeypatch):
     """Training without a global norm at a step's end (``--clip-grad 0``, or ``--post-validate``) overlaps its
     steps, so ``chimera plan`` ranks its top rows by the steady state's period (each simulated for 6 overlapped
-    steps on its lowered schedule) and predicts that; with clipping drained, one step's makespan."""
+    steps on its lowered schedule) and predicts that, unless the schedules are too large to simulate so quickly;
+    with clipping drained, one step's makespan."""
     from chimera.plan import plan
     from chimera.plan.period import by_period
 
@@ -186,3 +187,13 @@ def test_a_plan_for_overlapping_steps_predicts_the_period(tmp_path, capsys):
             top = result.ranked
             assert "overlapped" not in said
         assert PlanFile.load(out).predicted_step_s == pytest.approx(top[0].step_s, rel=1e-12), (clip, post)
+    # schedules too large to simulate over 6 steps quickly keep one step's figure, and the table says so
+    import chimera.plan.period
+
+    monkeypatch.setattr(chimera.plan.period, "PERIOD_BUDGET", 1)
+    out = tmp_path / "large.json"
+    assert main(["plan", "--model", "bert-tiny", "--seq-len", "8", "--profile", prof, "--workers", "2",
+                 "--global-batch", "8", "--clip-grad", "0", "-o", str(out)]) == 0
+    assert "too large to simulate" in capsys.readouterr().out
+    one_step = plan(loaded, 2, 8, None, "lamb", clip=False).ranked[0].step_s
+    assert PlanFile.load(out).predicted_step_s == pytest.approx(one_step, rel=1e-12)

@@ -20,7 +20,7 @@ from chimera.compile.names import choices
 from chimera.compile.shard import owned_pricer
 from chimera.config import FIELDS
 from chimera.plan import PlanError, PlanFile, plan
-from chimera.plan.period import STEADY_STEPS, by_period, steps_overlap
+from chimera.plan.period import PERIOD_BUDGET, STEADY_STEPS, affordable, by_period, steps_overlap
 from chimera.plan.planfile import summary
 from chimera.plan.profiles import trust_note
 from chimera.plan.report import report
@@ -78,7 +78,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result = plan(profile, args.workers, args.global_batch, limit, args.optimizer, args.top, stages=args.stages,
                       optimizer_owned=owned, clip=args.clip_grad > 0, post_validated=args.post_validate)
         overlap = steps_overlap(args.clip_grad > 0, args.post_validate)
-        if overlap:  # training overlaps its steps: what it measures is the steady state's period
+        priced = overlap and affordable(result.ranked[:args.top])
+        if priced:  # training overlaps its steps: what it measures is the steady state's period
             top = by_period(result.ranked[:args.top], profile, args.optimizer, args.clip_grad > 0,
                             args.post_validate)
             result = replace(result, ranked=top + result.ranked[args.top:])
@@ -93,9 +94,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps([summary(e) for e in result.ranked[:args.top]]))
     else:
         print(report(result, args.top))
-        if overlap:
+        if priced:
             print(f"step s of the top {args.top}: the period of {STEADY_STEPS} overlapped steps (training overlaps "
                   "its steps: no --clip-grad, or --post-validate); the rest by one step")
+        elif overlap:
+            print(f"step s: one step's makespan, at least the period of the overlapped steps training runs (the top "
+                  f"{args.top} are too large to simulate over {STEADY_STEPS} steps here: more than {PERIOD_BUDGET} "
+                  "compute actions a step in all)")
     out = chosen.save(args.output or f"profiles/{chain.name}.plan.json")
     print(f"trust: {trust or _as_taken(profile)}", file=sys.stderr if args.json else sys.stdout)
     print(f"plan: {out} ({chosen.flags['schedule']}, D={chosen.flags['stages']}, W={chosen.flags['data_parallel']}, "

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from chimera.offload.lowering import lower
-from chimera.plan.candidate import Evaluated
+from chimera.plan.candidate import Candidate, Evaluated
 from chimera.plan.costs import simulator_costs
 from chimera.plan.partition import layers_of
 from chimera.profile import Profile
@@ -28,6 +28,20 @@ from chimera.schedule.steps import period
 
 #: consecutive steps simulated to find the steady state's period
 STEADY_STEPS = 6
+#: the most compute actions per step (summed over the candidates) that ``chimera plan`` re-prices by the period:
+#: about 0.12 ms each for 6 lowered steps on the development machine, so about 2.5 s at most
+PERIOD_BUDGET = 20_000
+
+
+def compute_actions(c: Candidate) -> int:
+    """About how many compute actions one step of ``c`` runs (F, B or F, I, W per stage part and micro-batch)."""
+    return c.stages * c.chunks * c.micro_batches * (3 if c.split_backward else 2)
+
+
+def affordable(ranked: Sequence[Evaluated], budget: int | None = None) -> bool:
+    """Whether re-pricing ``ranked`` by the period stays within ``budget`` (default :data:`PERIOD_BUDGET`) compute
+    actions per step in all."""
+    return sum(compute_actions(e.candidate) for e in ranked) <= (PERIOD_BUDGET if budget is None else budget)
 
 
 def tied_stages(pairs: Sequence[tuple[int, int]], stage_layers: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
