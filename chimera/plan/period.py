@@ -23,7 +23,7 @@ from chimera.plan.candidate import Candidate, Evaluated
 from chimera.plan.costs import simulator_costs
 from chimera.plan.partition import layers_of
 from chimera.profile import Profile
-from chimera.schedule import build_schedule
+from chimera.schedule.registry import cached_build
 from chimera.schedule.steps import period
 
 #: consecutive steps simulated to find the steady state's period
@@ -67,8 +67,9 @@ def by_period(ranked: Sequence[Evaluated], profile: Profile, optimizer: str, cli
         c = e.candidate
         assert e.partition is not None and e.step_s is not None
         layers = layers_of(e.partition)
-        sched = build_schedule(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode,
-                               data_parallel=c.data_parallel, split_backward=c.split_backward)
+        # the planner's own build where it made one (chimera plan prunes with the registry's build cache)
+        sched = cached_build(c.schedule, c.stages, c.micro_batches, chunks=c.chunks, mode=c.mode,
+                             data_parallel=c.data_parallel, split_backward=c.split_backward)
         costs = simulator_costs(profile, layers, c.unit, c.recompute, sched, optimizer, c.offload, clip)
         pairs = [(i, j) for s in layers for i in s for j in profile.layers[i].tied]
         step = float(period(lower(sched, c.offload, post_validated), costs, steps,
