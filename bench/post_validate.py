@@ -15,7 +15,12 @@ A row's time is the steady state's period as the simulator defines it: ``(E_k - 
 latest end of step j on any worker (``StepResult.ended_s``, one clock for the processes of this host); the first
 step starts from an empty pipeline. The simulated figures are the period of the job's own lowered schedule over
 the same number of steps with the delay model's costs (drained: its steps in sequence), without the runtime's own
-costs (messages, optimizer), so the measured rows run a few per cent over them.
+costs (messages, optimizer), so the measured rows run a few per cent over them. The *predicted* figures add the
+runtime's costs measured on this machine once per run, as ``bench/vs_torch_pipelining.py`` predicts its rows
+(``bench.predict.Calibration``: the p2p's one-way time per message and gradient sum, the fixed time per compute
+action, and what a step costs beyond its actions, charged to the drained step's optimizer step or, post-validated,
+spread over the worker's stage updates); ``--no-calibrate`` leaves them out. The rows that clip every step are
+not predicted: the simulator does not repeat a step.
 The ``updates`` column counts what the verdicts decided (the delay model's gradients stay under a clip of 1.0).
 
     python bench/post_validate.py --schedules zb-v,zb-h2,1f1b --steps 6
@@ -25,26 +30,31 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.chimera_runner import chimera_config  # noqa: E402
+from bench.predict import Calibration  # noqa: E402
 from bench.workloads import WORKLOADS  # noqa: E402
 from chimera.compile import compile_job  # noqa: E402
 from chimera.compile.schedule import auto_costs  # noqa: E402
 from chimera.plan.period import tied_stages  # noqa: E402
 from chimera.runtime.launch import local_steps  # noqa: E402
+from chimera.schedule import Costs, Schedule  # noqa: E402
 from chimera.schedule.steps import period  # noqa: E402
 
 VARIANTS = {"drained": {"clip_grad": 1.0}, "post-validated": {"clip_grad": 1.0, "post_validate": True},
             "post-validated, clipping every step": {"clip_grad": 1e-9, "post_validate": True},
             "no checks": {"clip_grad": 0.0}}
+REPEATING = {"post-validated, clipping every step"}  # not predicted: no simulation repeats a step
 
 
-def measure(workload: str, schedule: str, variant: str, steps: int, tied: bool = False
-            ) -> tuple[float, float, list[str]]:
-    """(measured period s, simulated period s, post-validation outcomes) of one row."""
+def measure(workload: str, schedule: str, variant: str, steps: int, tied: bool = False,
+            calibration: Calibration | None = None) -> tuple[float, float, float | None, list[str]]:
+    """(measured period s, simulated period s, predicted period s with ``calibration`` or None, post-validation
+    outcomes) of one row."""
     w = WORKLOADS[workload]
     cfg = chimera_config(w, schedule, steps)
     cfg = cfg.with_flags(**VARIANTS[variant], model_overrides={**cfg.model.overrides, "tied": tied})
@@ -59,8 +69,23 @@ def measure(workload: str, schedule: str, variant: str, steps: int, tied: bool =
     measured = (ends[steps - 1] - ends[0]) / (steps - 1)
     costs, _ = auto_costs(job.chain, job.schedule.stages, w.micro_batch_size)
     pairs = [(a, b) for (a, _), (b, _) in job.chain.tied_parameters()]
-    sim = period(job.schedule, costs, steps, overlap=variant != "drained", tied=tied_stages(pairs, job.stage_layers))
-    return measured, float((sim.ends[-1] - sim.ends[0]) / (steps - 1)), outcomes
+    tied_groups = tied_stages(pairs, job.stage_layers)
+    overlap = variant != "drained"
+    simulated = float(period(job.schedule, costs, steps, overlap=overlap, tied=tied_groups).period)
+    predicted = None
+    if calibration is not None and variant not in REPEATING:
+        predicted = float(period(job.schedule, calibrated(calibration, w.tf * w.stages, job.schedule), steps,
+                                 overlap=overlap, tied=tied_groups).period)
+    return measured, simulated, predicted, outcomes
+
+
+def calibrated(calibration: Calibration, work: float, schedule: Schedule) -> Costs:
+    """The delay costs of ``schedule`` (``work`` seconds of forward per worker, split over its stages) with the
+    runtime's costs; a step's remainder charged to its optimizer step, or post-validated spread over each worker's
+    stage updates."""
+    c = calibration.costs(work / schedule.stages, schedule.stages)
+    per_worker = len(schedule.stages_of(0))
+    return replace(c, extra=(("stage_update", calibration.step_s / per_worker),))
 
 
 def main() -> None:
@@ -70,19 +95,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps per row (the first is not timed)")
     ap.add_argument("--tied", action="store_true", help="tie the delay model's embedding and head weights (the sum "
                     "of their gradients holds the first and the last stage's workers at each step)")
+    ap.add_argument("--no-calibrate", action="store_true", help="no predictions with the runtime's costs (saves "
+                    "the calibration's ~20 s)")
     args = ap.parse_args()
+    w = WORKLOADS[args.workload]
+    calibration = None if args.no_calibrate else Calibration.measure(w.stages, float(w.tf or 0.0))
     print(f"{args.workload}{' (tied embedding and head)' if args.tied else ''}, {args.steps} steps per row, steps "
-          "after the first timed\n")
-    print("| schedule | variant | measured s / step | simulated period s | measured / simulated - 1 | "
-          "/ drained (measured) | updates |")
-    print("|---|---|---|---|---|---|---|")
+          "after the first timed")
+    if calibration is not None:
+        print(f"calibration: {calibration.text()}")
+    print("\n| schedule | variant | measured s / step | simulated period s | measured / simulated - 1 | "
+          "predicted period s | measured / predicted - 1 | / drained (measured) | updates |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.schedules.split(","):
         base = None
         for variant in VARIANTS:
-            m, s, outcomes = measure(args.workload, name, variant, args.steps, args.tied)
+            m, s, p, outcomes = measure(args.workload, name, variant, args.steps, args.tied, calibration)
             base = base or m
             seen = ", ".join(f"{o} {outcomes.count(o)}" for o in sorted(set(outcomes)) if o) or "—"
-            print(f"| {name} | {variant} | {m:.3f} | {s:.3f} | {m / s - 1:+.3f} | {m / base:.3f} | {seen} |",
+            pred = f"{p:.3f} | {m / p - 1:+.3f}" if p is not None else "— | —"
+            print(f"| {name} | {variant} | {m:.3f} | {s:.3f} | {m / s - 1:+.3f} | {pred} | {m / base:.3f} | {seen} |",
                   flush=True)
 
 

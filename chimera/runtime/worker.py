@@ -181,10 +181,11 @@ class PipelineWorker:
         ended = time.monotonic()
         digests = self.stages.digests() if self.run.check_replicas else {}
         held = self.checkpoints.after_step(step) if self.checkpoints else 0.0
-        return StepResult(step, self.rank, loss_sum, loss_count, elapsed, grad_norm, events, digests,
-                          self.comm.payload_sizes(), dict(self.ledger.peak) if self.ledger else {},
-                          self.stages.host.moved if self.stages.host else 0, held, gc_s, self.comm.group_ops(),
-                          self.stages.lr, verdicts, repeated, ended)
+        return StepResult(step, self.rank, loss_sum, loss_count, elapsed, grad_norm, events=events, digests=digests,
+                          payloads=self.comm.payload_sizes(), memory=dict(self.ledger.peak) if self.ledger else {},
+                          swap_bytes=self.stages.host.moved if self.stages.host else 0, checkpoint_s=held, gc_s=gc_s,
+                          group_ops=self.comm.group_ops(), lr=self.stages.lr, verdicts=verdicts, repeated=repeated,
+                          ended_s=ended)
 
     def _run(self, step: int, rec: EventRecorder | None) -> StepState:
         """Run the action list for ``step``; post-validated, again where the previous step's rollback repeats it,
