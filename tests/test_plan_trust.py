@@ -197,3 +197,12 @@ def test_a_plan_for_overlapping_steps_predicts_the_period(tmp_path, capsys, monk
     assert "too large to simulate" in capsys.readouterr().out
     one_step = plan(loaded, 2, 8, None, "lamb", clip=False).ranked[0].step_s
     assert PlanFile.load(out).predicted_step_s == pytest.approx(one_step, rel=1e-12)
+
+
+def test_chimera_profile_times_layers_as_the_probe_workers_run_unless_told():
+    from chimera.cli.profile import default_concurrent
+
+    assert default_concurrent("cpu", "local", 2) == 2  # the documented profile: as the two workers will run
+    assert default_concurrent("cpu", "local", 4) == 4
+    assert default_concurrent("cpu", "none", 4) == 1  # no local probe: nothing says how many share the cores
+    assert default_concurrent("cuda", "local", 4) == 1  # one GPU per worker: nothing shared

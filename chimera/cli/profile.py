@@ -1,6 +1,6 @@
 """``chimera profile``: profile a model's layers (and optionally the communication) for the planner.
 
-    chimera profile --model bert-tiny --micro-batch-sizes 1,2,4,8 --comm local -o profiles/bert-tiny.profile.json
+    chimera profile --model bert-tiny --micro-batch-sizes 1,2,4,8 --comm local -o p.json  # as the probe's 2 workers
     chimera profile --chain mypkg.models:chain --micro-batch-sizes 4 --concurrent 4    # as 4 workers would run
 """
 
@@ -55,11 +55,12 @@ def add_parser(sub: Any, parser_class: type) -> None:
     p.add_argument("--warmup", type=int, default=2, help="discarded repetitions before them (default: 2)")
     add_field(p, "threads", default=None, help="torch threads per process while profiling (default: torch's; with "
               "--concurrent N, this machine's cores / N, as N workers take them)")
-    p.add_argument("--concurrent", type=int, default=1,
+    p.add_argument("--concurrent", type=int, default=None,
                    help="profile in this many processes at once, as that many workers sharing this machine would "
                         "run (the timings of the slowest are kept; training profiles this way). On CPU give the "
-                        "number of workers that will share one machine: chimera plan warns when the profile ran "
-                        "fewer (default: 1)")
+                        "number of workers that will share one machine: chimera plan warns when the profile differs "
+                        "(default: on CPU with --comm local, --probe-workers, the workers the rest of the profile "
+                        "is measured with; else 1)")
     p.add_argument("--comm", choices=("none", *PROBES), default="none",
                    help="also measure communication: local processes, or Ray workers where the Ray layer is "
                         "installed (default: none)")
@@ -71,11 +72,21 @@ def add_parser(sub: Any, parser_class: type) -> None:
     p.set_defaults(func=cmd_profile)
 
 
+def default_concurrent(device: str, comm: str, probe_workers: int) -> int:
+    """Processes to profile at once when ``--concurrent`` is not given: on CPU with ``--comm local``, the probe's
+    workers (its p2p, allreduce and the runtime's time per action are measured with that many processes of this
+    machine running, so the layers are timed as the same workers would run them: one profile, one assumption about
+    how many share the cores); else 1."""
+    return probe_workers if device == "cpu" and comm == "local" else 1
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     """Profile a model's layers (and optionally the communication); write the profile and print a table."""
     if args.reps < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1) or args.probe_workers < 2 \
-            or args.concurrent < 1:
+            or (args.concurrent is not None and args.concurrent < 1):
         raise UsageError("need --reps >= 1, --warmup >= 0, --threads >= 1, --concurrent >= 1 and --probe-workers >= 2")
+    if args.concurrent is None:
+        args.concurrent = default_concurrent(args.device, args.comm, args.probe_workers)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but torch sees no GPU here")
     if args.device == "cuda" and args.comm == "local" and torch.cuda.device_count() < args.probe_workers:
