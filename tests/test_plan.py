@@ -144,7 +144,8 @@ def test_a_heavy_layer_moves_the_boundary():
 
 def test_communication_on_cpu_gloo_takes_worker_time():
     """On CPU with gloo the workers' own cores move the messages and pack the gradient sums: sends and receives
-    cost the link's fixed time, a sum's start one bucket copy plus it and its wait 2.5 copies, and a worker holding
+    cost the link's fixed time, a sum's start one bucket copy plus the link's time for it (two replicas exchange
+    their buckets; more post an allreduce: its fixed time) and its wait 2.5 copies, and a worker holding
     both ends of a tied pair adds them and copies the sum back in the optimizer step. Not on GPU (NCCL)."""
     import dataclasses
 
@@ -162,13 +163,16 @@ def test_communication_on_cpu_gloo_takes_worker_time():
     latency = cpu.comm.p2p.latency_s
     buckets = [5_000_000 - 2_000_000, 5_000_000 - 2_000_000]
     assert c.p2p_busy == latency
-    assert c.sync_start == pytest.approx([copy.time(b) + latency for b in buckets])
+    # two replicas sum by an exchange: the start also writes the bucket into the link
+    assert c.sync_start == pytest.approx([copy.time(b) + cpu.comm.p2p.time(b) for b in buckets])
     assert c.sync_wait == pytest.approx([2.5 * copy.time(b) for b in buckets])
     gpu = dataclasses.replace(cpu, device="cuda", comm=dataclasses.replace(cpu.comm, backend="nccl"))
     g = simulator_costs(gpu, stage_layers, 1, False, sched, "adamw")
     assert (g.p2p_busy, g.sync_start, g.sync_wait) == (0, 0, 0)
     assert c.optimizer - g.optimizer == pytest.approx(2.5 * copy.time(2_000_000))  # each worker holds both ends
     assert simulate(lower(sched), c).makespan > simulate(lower(sched), g).makespan
+    four = simulator_costs(cpu, layers_of([1, 1, 1, 1]), 1, False, build_schedule("chimera4", 4, 4), "adamw")
+    assert four.sync_start[1] == pytest.approx(copy.time(1_000_000) + latency)  # four replicas: an allreduce posted
 
 
 def test_chimera_partition_beats_balanced_pairs_and_uniform():

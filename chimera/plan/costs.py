@@ -118,7 +118,8 @@ def _with_comm(base: Costs, profile: Profile, comm: CommProfile, stage_layers: S
         if copy is not None:  # a worker holding k ends adds k - 1 into the first and copies the sum back
             ends = max(sum(s in tied_stages for _, s in schedule.stages_of(w)) for w in range(schedule.workers))
             optimizer_s += SUM_COPIES * (ends - 1) * copy.time(max(sc.tied_bytes))
-    busy = _host_busy(copy, comm, sc, allreduce) if copy is not None else {}
+    groups = [schedule.stage_group_size(s) for s in range(len(stage_layers))]
+    busy = _host_busy(copy, comm, sc, allreduce, groups) if copy is not None else {}
     return replace(base, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes, p2p_bandwidth=comm.p2p.bandwidth_Bps,
                    allreduce=allreduce, optimizer=optimizer_s, **busy)
 
@@ -145,12 +146,18 @@ def _host_copy(profile: Profile, comm: CommProfile) -> Link | None:
     return profile.host_out
 
 
-def _host_busy(copy: Link, comm: CommProfile, sc: StageCosts, allreduce: list[float]) -> dict[str, object]:
+def _host_busy(copy: Link, comm: CommProfile, sc: StageCosts, allreduce: list[float], groups: list[int]
+               ) -> dict[str, object]:
     """Worker time of communication on the workers' own cores: each send and receive the link's fixed cost (the
     process posts and completes it), a gradient sum's start one copy of its bucket (packing) plus that fixed
-    cost, its wait two and a half (adding the peer's bucket, unpacking). NCCL posts asynchronously: none there."""
+    cost, its wait two and a half (adding the peer's bucket, unpacking). A stage of two replicas sums by an
+    exchange (:class:`chimera.runtime.grad_sync.GradBuckets`), whose start also sends the bucket from the worker's
+    own thread (into the shared-memory ring, or gloo's socket, which takes what its buffer holds at once): priced
+    as the p2p link's time for the bucket (1.9 MB: 0.79 ms measured to post a gloo send on the 2-core development
+    machine, where the fixed cost alone priced 0.05). NCCL posts asynchronously: none there."""
     buckets = [b - t for b, t in zip(sc.param_bytes, sc.tied_bytes)]
-    start = [copy.time(b) + comm.p2p.latency_s if a else 0.0 for b, a in zip(buckets, allreduce)]
+    start = [copy.time(b) + (comm.p2p.time(b) if n == 2 else comm.p2p.latency_s) if a else 0.0
+             for b, a, n in zip(buckets, allreduce, groups)]
     wait = [SUM_COPIES * copy.time(b) if a else 0.0 for b, a in zip(buckets, allreduce)]
     return {"p2p_busy": comm.p2p.latency_s, "sync_start": start, "sync_wait": wait}
 
