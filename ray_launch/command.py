@@ -187,10 +187,16 @@ def _summary(job: Job, records: list[dict[str, Any]], report: RunReport, metrics
     for path in report.profile_paths.values():
         print(f"profile: {path}")
     if job.prediction and len(records) > 1:
-        measured = statistics.median(r["step_time_s"] for r in records[1:])
+        # steps that record a timeline pay for it: left out where others remain
+        timed = records[1:]
+        if job.timeline.profile:
+            timed = [r for r in timed if not job.timeline.records(r["step"])] or timed
+        measured = statistics.median(r["step_time_s"] for r in timed)
         predicted = job.prediction.step_s
+        which = (f"steps 1-{len(records) - 1}" if len(timed) == len(records) - 1 else
+                 f"{len(timed)} steps after the first that recorded no timeline")
         print(f"step time: predicted {predicted:.4g} s ({job.prediction.source}), measured {measured:.4g} s "
-              f"(median of steps 1-{len(records) - 1}; measured / predicted = {measured / predicted:.2f})")
+              f"(median of {which}; measured / predicted = {measured / predicted:.2f})")
         if job.prediction.trust:
             print(f"  the plan's trust note: {job.prediction.trust}")
 

@@ -96,6 +96,20 @@ def test_chimera_plan_prints_and_writes_the_trust_line(concurrent, tmp_path, cap
     assert lines[ratio + 1:] == ([f"  the plan's trust note: {saved}"] if saved else [])
 
 
+def test_the_runs_measured_step_leaves_out_the_steps_that_record_a_timeline(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "bert-tiny", "--seq-len", "8", "--profile-file", _profile_of_bert(tmp_path, 2),
+                 "--workers", "2", "--global-batch", "8", "-o", str(out)]) == 0
+    job = compile_job(TrainConfig.from_flags(model="bert-tiny", seq_len=8, plan=str(out), steps=5, corpus="synthetic",
+                                             profile=True, profile_steps=(2, 3)))
+    times = [0.9, 0.1, 0.5, 0.5, 0.1]  # steps 2 and 3 recorded their events: slower
+    records = [{"step": i, "loss": 1.0, "samples_per_s": 1.0, "step_time_s": t} for i, t in enumerate(times)]
+    capsys.readouterr()
+    _summary(job, records, RunReport(), tmp_path / "m.jsonl", tmp_path / "c.toml")
+    line = next(x for x in capsys.readouterr().out.splitlines() if "measured / predicted" in x)
+    assert "measured 0.1 s (median of 2 steps after the first that recorded no timeline" in line
+
+
 def test_chimera_plan_refuses_bad_nodes_and_a_missing_profile(tmp_path, capsys):
     assert main(["plan", "--model", "bert-tiny", "--workers", "2"]) == 2
     assert "--profile-file is required" in capsys.readouterr().err
