@@ -26,7 +26,6 @@ than about the schedule.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, replace
 
 from bench.workloads import Workload
@@ -59,7 +58,7 @@ class Calibration:
         """Measured with the delay model sleeping like the rows' actions (``tf`` per block, at most
         :data:`SLEEP_CAP_S`): a worker that sleeps pays more per action than one that never does
         (:mod:`chimera.calibrate`)."""
-        from chimera.calibrate import measure_runtime
+        from chimera.calibrate import measure_runtime, step_remainder
         from chimera.profile.comm import measure_comm_local
 
         sleep = min(tf, SLEEP_CAP_S)
@@ -67,8 +66,7 @@ class Calibration:
         fixed, runs = measure_runtime(workers, sleep_s=sleep)
         c = Calibration(p2p, tuple(fixed.items()))
         # the calibration runs' steps beyond their simulation with these costs: the per-step remainder
-        extra = [step - float(simulate(s, c.costs(sleep, s.stages)).makespan) for s, step in runs]
-        return replace(c, step_s=max(0.0, statistics.median(extra)))
+        return replace(c, step_s=step_remainder(runs, lambda stages: c.costs(sleep, stages)))
 
     def costs(self, tf: float, stages: int) -> Costs:
         """The delay costs with these runtime costs (module docstring)."""

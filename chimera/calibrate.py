@@ -9,6 +9,9 @@ action's interval, and keeps per compute kind the median: that is the fixed cost
     fixed = measure_action_costs(workers=2)      # {"F": 2.1e-4, "B": 3.0e-4, "I": ..., "W": ...}
     costs = replace(costs, fixed=tuple(fixed.items()))
 
+What a step pays once beyond its actions (:func:`step_remainder` of :func:`measure_runtime`'s runs) is the rest of
+the runtime's own time; ``chimera profile --comm local`` records both (``Profile.actions``, ``Profile.step_s``).
+
 With ``sleep_s`` > 0 every block sleeps that long (forward, input gradient and weight gradient each) and an action's
 fixed cost is its interval less its sleeps: a worker that sleeps (waits on a device, or on the delay model's timer)
 pays more per action than one that never does (the wake-up, the cold caches: about 0.6 ms against 0.2 ms on the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 
 from chimera.schedule import Action, Costs, Kind, Schedule
 
@@ -73,6 +77,18 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
         timed = [m["step_time_s"] for m in result.metrics[recorded[-1] + 2:]]
         runs.append((job.schedule, statistics.median(timed)))
     return {k: statistics.median(durations[k]) for k in KINDS if durations[k]}, runs
+
+
+def step_remainder(runs: list[tuple[Schedule, float]], costs: Callable[[int], Costs]) -> float:
+    """What a step costs beyond its actions: the median, over :func:`measure_runtime`'s ``runs`` (each job's lowered
+    schedule and its measured step), of the step less its simulation with ``costs(stages)`` (the blocks' sleeps, the
+    fixed time per action and whatever else the caller prices: then not counted twice); 0 where the simulation is
+    longer. Dispatching the step, its record, collecting its garbage and whatever else a step pays once: the
+    planner charges it to the optimizer step."""
+    from chimera.schedule import simulate
+
+    extra = [step - float(simulate(s, costs(s.stages)).makespan) for s, step in runs]
+    return max(0.0, statistics.median(extra)) if extra else 0.0
 
 
 def sleeps(sleep_s: float, workers: int) -> Costs:

@@ -66,3 +66,45 @@ def test_a_profile_carries_the_runtime_costs_into_the_planners_simulation(tmp_pa
     # the critical path of 1F1B at D = 2, N = 4: worker 0's first forward, then worker 1's 8 actions, then worker
     # 0's last backward: 10 actions, each 1 ms longer
     assert charged - plain == pytest.approx(0.010)
+
+
+def test_what_a_step_pays_beyond_its_actions_is_its_time_less_its_simulation():
+    """``step_remainder``: the median over the measured runs of step less simulation (never below 0)."""
+    from chimera.calibrate import step_remainder
+    from chimera.schedule import lower
+
+    s = lower(build_schedule("1f1b", 2, 4))
+    costs = lambda stages: Costs(fwd=1, bwd=2)  # noqa: E731
+    span = simulate(s, costs(2)).makespan  # 15
+    assert step_remainder([(s, span + 3), (s, span + 1), (s, span + 2)], costs) == 2
+    assert step_remainder([(s, span - 1)], costs) == 0  # a simulation longer than the step: nothing left over
+
+
+def test_a_profile_charges_its_step_remainder_once_per_step(tmp_path):
+    """``Profile.step_s`` (``chimera profile --comm local``) survives the file (an older file reads 0) and the
+    planner's costs charge it once per step: on the optimizer step of a drained lowering, spread over a worker's
+    stage updates in a post-validated one."""
+    import dataclasses
+
+    from chimera.plan.costs import simulator_costs
+    from chimera.profile import Profile
+    from chimera.offload.lowering import lower as lower_all
+    from chimera.profile.synthetic import layer, profile
+    from chimera.schedule import lower
+
+    prof = profile([layer(i, 0.002, 10_000, 10_000, 1_000, (2,)) for i in range(4)], (2,))
+    timed = dataclasses.replace(prof, step_s=0.004)
+    loaded = Profile.load(timed.save(tmp_path / "p.json"))
+    assert loaded.step_s == 0.004
+    old = timed.to_dict()
+    del old["step_s"]
+    assert Profile.from_dict(old).step_s == 0
+    layers = [[0, 1], [2, 3]]
+    s = build_schedule("chimera", 2, 4)  # two stages per worker
+    plain, charged = (simulator_costs(p, layers, 2, False, s, "sgd") for p in (prof, loaded))
+    assert charged.optimizer - plain.optimizer == pytest.approx(0.004)
+    assert simulate(lower(s), charged).makespan - simulate(lower(s), plain).makespan == pytest.approx(0.004)
+    updates = [dict(c.extra)["stage_update"] for c in (plain, charged)]
+    assert [b - a for a, b in zip(*updates)] == pytest.approx([0.002, 0.002])
+    pv = lower_all(s, None, True)  # post-validated: each stage updated on its own, the worker's two updates 2 ms more
+    assert simulate(pv, charged).makespan - simulate(pv, plain).makespan == pytest.approx(0.004)

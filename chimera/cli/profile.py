@@ -80,6 +80,22 @@ def default_concurrent(device: str, comm: str, probe_workers: int) -> int:
     return probe_workers if device == "cpu" and comm == "local" else 1
 
 
+def runtime_costs(workers: int, device: str, comm: CommProfile | None) -> dict[str, Any]:
+    """The runtime's own time, measured by running it on ``workers`` local workers (:mod:`chimera.calibrate`): per
+    compute action by kind (``actions``) and per step beyond its actions (``step_s``, its steps less their
+    simulation with those and the messages as the planner prices them: the probe's p2p time)."""
+    from chimera.calibrate import measure_runtime, sleeps, step_remainder
+    from chimera.schedule import Costs
+
+    fixed, runs = measure_runtime(workers, steps=8, skip=3, device=device)
+    p2p = comm.p2p.latency_s if comm is not None else 0.0
+
+    def costs(stages: int) -> Costs:
+        return replace(sleeps(0.0, stages), fixed=tuple(fixed.items()), p2p_latency=p2p, p2p_busy=p2p)
+
+    return {"actions": fixed, "step_s": step_remainder(runs, costs)}
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     """Profile a model's layers (and optionally the communication); write the profile and print a table."""
     if args.reps < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1) or args.probe_workers < 2 \
@@ -97,11 +113,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         comm = _probe(args.comm)(args) if args.comm != "none" else None
         prof = profile_chain(chain, args.micro_batch_sizes, device=args.device, reps=args.reps, warmup=args.warmup,
                              threads=args.threads, comm=comm, concurrent=args.concurrent)
-        if args.comm == "local":  # the runtime's own time per action, measured by running it here
-            from chimera.calibrate import measure_action_costs
-
-            prof = replace(prof, actions=measure_action_costs(args.probe_workers, steps=8, skip=3,
-                                                              device=args.device))
+        if args.comm == "local":  # the runtime's own time per action and per step, measured by running it here
+            prof = replace(prof, **runtime_costs(args.probe_workers, args.device, comm))
     except (ProfileError, RuntimeError) as e:  # RuntimeError: the Ray probe's RunError
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -115,7 +128,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"{layer.index:>5} {layer.kind[:22]:<22} {layer.params:>10} {c.forward.median_s * 1e3:>8.3f} "
               f"{c.backward.median_s * 1e3:>8.3f} {c.stash_bytes / 1024:>10.1f}")
     if prof.actions:
-        print("runtime per action (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in prof.actions.items()))
+        print("runtime per action (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in prof.actions.items())
+              + f"; per step beyond its actions {prof.step_s * 1e3:.3f}")
     if prof.max_micro_batch_size is not None:
         print(f"largest micro-batch size that fits: {prof.max_micro_batch_size}")
     if comm is not None:

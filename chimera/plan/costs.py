@@ -97,6 +97,10 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
         base = _with_comm(base, profile, profile.comm, stage_layers, sc, schedule)
     if profile.actions:  # the runtime's own time per action (chimera profile --comm local measures it)
         base = replace(base, fixed=tuple(sorted(profile.actions.items())))
+    if profile.step_s:  # and per step: on the optimizer step, or spread over a worker's post-validated updates
+        per_worker = len(schedule.stages_of(0))
+        base = replace(base, optimizer=base.optimizer + profile.step_s,
+                       extra=(("stage_update", tuple(t + profile.step_s / per_worker for t in stage_opt)),))
     return base.first_stage_whole_backward(len(stage_layers))
 
 

@@ -120,6 +120,7 @@ class Profile:
     notes: list[str] = field(default_factory=list)
     concurrent: int = 1  # processes profiled at once, in lock-step (``--concurrent``; files without it: 1)
     actions: dict[str, float] = field(default_factory=dict)  # the runtime's fixed s per action, by kind ({}: none)
+    step_s: float = 0.0  # the runtime's own s per step beyond its actions (chimera.calibrate.step_remainder; 0: none)
 
     def __post_init__(self) -> None:
         if not isinstance(self.concurrent, int) or self.concurrent < 1:
