@@ -86,9 +86,9 @@ def test_a_profile_charges_its_step_remainder_once_per_step(tmp_path):
     stage updates in a post-validated one."""
     import dataclasses
 
+    from chimera.offload.lowering import lower as lower_all
     from chimera.plan.costs import simulator_costs
     from chimera.profile import Profile
-    from chimera.offload.lowering import lower as lower_all
     from chimera.profile.synthetic import layer, profile
     from chimera.schedule import lower
 
@@ -99,6 +99,11 @@ def test_a_profile_charges_its_step_remainder_once_per_step(tmp_path):
     old = timed.to_dict()
     del old["step_s"]
     assert Profile.from_dict(old).step_s == 0
+    from chimera.profile import ProfileError
+
+    for bad in (-1.0, "1", None, float("nan")):
+        with pytest.raises(ProfileError, match="step_s must be seconds >= 0"):
+            Profile.from_dict({**old, "step_s": bad})
     layers = [[0, 1], [2, 3]]
     s = build_schedule("chimera", 2, 4)  # two stages per worker
     plain, charged = (simulator_costs(p, layers, 2, False, s, "sgd") for p in (prof, loaded))

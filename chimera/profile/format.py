@@ -126,6 +126,9 @@ class Profile:
         if not isinstance(self.concurrent, int) or self.concurrent < 1:
             raise ProfileError(f"profile field concurrent must be an integer >= 1, got {self.concurrent!r}; take "
                                "the profile again with chimera profile")
+        if isinstance(self.step_s, bool) or not isinstance(self.step_s, int | float) or not self.step_s >= 0:
+            raise ProfileError(f"profile field step_s must be seconds >= 0, got {self.step_s!r}; take the profile "
+                               "again with chimera profile --comm local")
 
     # -- reading --------------------------------------------------------------------------------------
     def cost(self, layer: int, micro_batch_size: int) -> LayerCost:
