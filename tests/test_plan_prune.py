@@ -100,17 +100,23 @@ def test_the_two_count_front_is_the_scanned_front():
             assert _front(ordered) == _front_scan(ordered)
 
 
-def test_planning_leaves_the_collector_as_it_was():
+def test_planning_leaves_the_collector_as_it_was(monkeypatch):
     """The planner pauses the cyclic collector and moves what survived to its oldest generation: afterwards the
-    collector runs again, nothing stays frozen, and a freeze someone else holds is left alone."""
+    collector runs again, nothing stays frozen, and a freeze someone else holds is left alone (neither undone nor
+    redone: its objects may still die by their reference counts, e.g. a cached schedule the build cache drops,
+    so the frozen count is no witness)."""
     p = _profile(offload=False)
     assert gc.isenabled()
     plan(p, 8, global_batch=32)
     assert gc.isenabled() and gc.get_freeze_count() == 0
+    real_unfreeze = gc.unfreeze
     gc.freeze()
     try:
-        held = gc.get_freeze_count()
+        calls: list[str] = []
+        monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+        monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
         plan(p, 8, global_batch=32)
-        assert gc.isenabled() and gc.get_freeze_count() == held
+        assert gc.isenabled() and calls == [] and gc.get_freeze_count() > 0
     finally:
-        gc.unfreeze()
+        monkeypatch.undo()
+        real_unfreeze()
