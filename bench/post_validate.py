@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,7 +41,6 @@ from chimera.compile import compile_job  # noqa: E402
 from chimera.compile.schedule import auto_costs  # noqa: E402
 from chimera.plan.period import tied_stages  # noqa: E402
 from chimera.runtime.launch import local_steps  # noqa: E402
-from chimera.schedule import Costs, Schedule  # noqa: E402
 from chimera.schedule.steps import period  # noqa: E402
 
 VARIANTS = {"drained": {"clip_grad": 1.0}, "post-validated": {"clip_grad": 1.0, "post_validate": True},
@@ -74,18 +72,9 @@ def measure(workload: str, schedule: str, variant: str, steps: int, tied: bool =
     simulated = float(period(job.schedule, costs, steps, overlap=overlap, tied=tied_groups).period)
     predicted = None
     if calibration is not None and variant not in REPEATING:
-        predicted = float(period(job.schedule, calibrated(calibration, w.tf * w.stages, job.schedule), steps,
-                                 overlap=overlap, tied=tied_groups).period)
+        costs = calibration.costs(w.tf * w.stages / job.schedule.stages, job.schedule)
+        predicted = float(period(job.schedule, costs, steps, overlap=overlap, tied=tied_groups).period)
     return measured, simulated, predicted, outcomes
-
-
-def calibrated(calibration: Calibration, work: float, schedule: Schedule) -> Costs:
-    """The delay costs of ``schedule`` (``work`` seconds of forward per worker, split over its stages) with the
-    runtime's costs; a step's remainder charged to its optimizer step, or post-validated spread over each worker's
-    stage updates."""
-    c = calibration.costs(work / schedule.stages, schedule.stages)
-    per_worker = len(schedule.stages_of(0))
-    return replace(c, extra=(("stage_update", calibration.step_s / per_worker),))
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 from bench.workloads import Workload
 from chimera.calibrate import sleeps
+from chimera.plan.costs import per_step
 from chimera.schedule import Costs, Schedule, build_schedule, simulate
 from chimera.schedule.steps import period
 
@@ -66,12 +67,14 @@ class Calibration:
         fixed, runs = measure_runtime(workers, sleep_s=sleep)
         c = Calibration(p2p, tuple(fixed.items()))
         # the calibration runs' steps beyond their simulation with these costs: the per-step remainder
-        return replace(c, step_s=step_remainder(runs, lambda stages: c.costs(sleep, stages)))
+        return replace(c, step_s=step_remainder(runs, lambda s: c.costs(sleep, s)))
 
-    def costs(self, tf: float, stages: int) -> Costs:
-        """The delay costs with these runtime costs (module docstring)."""
-        c = replace(delay_costs(tf, stages), fixed=self.fixed, optimizer=self.step_s)
-        return replace(c, p2p_latency=self.p2p_s, p2p_busy=self.p2p_s, allreduce=self.p2p_s, sync_start=self.p2p_s)
+    def costs(self, tf: float, schedule: Schedule) -> Costs:
+        """The delay costs of ``schedule`` with these runtime costs (module docstring); the step's remainder on its
+        optimizer step, or spread over each worker's post-validated stage updates (``chimera.plan.costs.per_step``)."""
+        c = replace(delay_costs(tf, schedule.stages), fixed=self.fixed, p2p_latency=self.p2p_s, p2p_busy=self.p2p_s,
+                    allreduce=self.p2p_s, sync_start=self.p2p_s)
+        return per_step(c, self.step_s, schedule)
 
     def text(self) -> str:
         per = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in self.fixed)
@@ -91,7 +94,7 @@ def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | 
         sched = build_schedule(schedule, w.stages, w.micro_batches)
     tf = w.tf * w.stages / sched.stages  # a schedule of 2·D stages runs D ranks' work in halves
     if calibration is not None and sched.lowered:
-        costs = calibration.costs(tf, sched.stages)
+        costs = calibration.costs(tf, sched)
     else:
         sched, costs = sched.compute_only(), delay_costs(tf, sched.stages)
     if run == 1:

@@ -79,16 +79,31 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
     return {k: statistics.median(durations[k]) for k in KINDS if durations[k]}, runs
 
 
-def step_remainder(runs: list[tuple[Schedule, float]], costs: Callable[[int], Costs]) -> float:
+def step_remainder(runs: list[tuple[Schedule, float]], costs: Callable[[Schedule], Costs]) -> float:
     """What a step costs beyond its actions: the median, over :func:`measure_runtime`'s ``runs`` (each job's lowered
-    schedule and its measured step), of the step less its simulation with ``costs(stages)`` (the blocks' sleeps, the
+    schedule and its measured step), of the step less its simulation with ``costs(schedule)`` (the blocks' sleeps, the
     fixed time per action and whatever else the caller prices: then not counted twice); 0 where the simulation is
     longer. Dispatching the step, its record, collecting its garbage and whatever else a step pays once: the
     planner charges it to the optimizer step."""
     from chimera.schedule import simulate
 
-    extra = [step - float(simulate(s, costs(s.stages)).makespan) for s, step in runs]
+    extra = [step - float(simulate(s, costs(s)).makespan) for s, step in runs]
     return max(0.0, statistics.median(extra)) if extra else 0.0
+
+
+def runtime_costs(workers: int, device: str = "cpu", p2p_s: float = 0.0) -> tuple[dict[str, float], float]:
+    """The runtime's own time on ``workers`` local workers: per compute action by kind
+    (:func:`measure_runtime`) and per step beyond its actions (:func:`step_remainder`, the messages priced at
+    ``p2p_s`` each way and of worker time, as the planner prices them with a profile's p2p link), as
+    ``chimera profile --comm local`` records them (``Profile.actions``, ``Profile.step_s``)."""
+    from dataclasses import replace
+
+    fixed, runs = measure_runtime(workers, steps=8, skip=3, device=device)
+
+    def costs(s: Schedule) -> Costs:
+        return replace(sleeps(0.0, s.stages), fixed=tuple(fixed.items()), p2p_latency=p2p_s, p2p_busy=p2p_s)
+
+    return fixed, step_remainder(runs, costs)
 
 
 def sleeps(sleep_s: float, workers: int) -> Costs:

@@ -74,8 +74,8 @@ def test_what_a_step_pays_beyond_its_actions_is_its_time_less_its_simulation():
     from chimera.schedule import lower
 
     s = lower(build_schedule("1f1b", 2, 4))
-    costs = lambda stages: Costs(fwd=1, bwd=2)  # noqa: E731
-    span = simulate(s, costs(2)).makespan  # 15
+    costs = lambda schedule: Costs(fwd=1, bwd=2)  # noqa: E731
+    span = simulate(s, costs(s)).makespan  # 15
     assert step_remainder([(s, span + 5), (s, span + 1), (s, span + 2)], costs) == 2  # the median, not the mean
     assert step_remainder([(s, span - 1)], costs) == 0  # a simulation longer than the step: nothing left over
 

@@ -80,22 +80,6 @@ def default_concurrent(device: str, comm: str, probe_workers: int) -> int:
     return probe_workers if device == "cpu" and comm == "local" else 1
 
 
-def runtime_costs(workers: int, device: str, comm: CommProfile | None) -> dict[str, Any]:
-    """The runtime's own time, measured by running it on ``workers`` local workers (:mod:`chimera.calibrate`): per
-    compute action by kind (``actions``) and per step beyond its actions (``step_s``, its steps less their
-    simulation with those and the messages as the planner prices them: the probe's p2p time)."""
-    from chimera.calibrate import measure_runtime, sleeps, step_remainder
-    from chimera.schedule import Costs
-
-    fixed, runs = measure_runtime(workers, steps=8, skip=3, device=device)
-    p2p = comm.p2p.latency_s if comm is not None else 0.0
-
-    def costs(stages: int) -> Costs:
-        return replace(sleeps(0.0, stages), fixed=tuple(fixed.items()), p2p_latency=p2p, p2p_busy=p2p)
-
-    return {"actions": fixed, "step_s": step_remainder(runs, costs)}
-
-
 def cmd_profile(args: argparse.Namespace) -> int:
     """Profile a model's layers (and optionally the communication); write the profile and print a table."""
     if args.reps < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1) or args.probe_workers < 2 \
@@ -114,7 +98,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         prof = profile_chain(chain, args.micro_batch_sizes, device=args.device, reps=args.reps, warmup=args.warmup,
                              threads=args.threads, comm=comm, concurrent=args.concurrent)
         if args.comm == "local":  # the runtime's own time per action and per step, measured by running it here
-            prof = replace(prof, **runtime_costs(args.probe_workers, args.device, comm))
+            from chimera.calibrate import runtime_costs
+
+            fixed, step_s = runtime_costs(args.probe_workers, args.device, comm.p2p.latency_s if comm else 0.0)
+            prof = replace(prof, actions=fixed, step_s=step_s)
     except (ProfileError, RuntimeError) as e:  # RuntimeError: the Ray probe's RunError
         print(f"error: {e}", file=sys.stderr)
         return 1

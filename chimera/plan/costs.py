@@ -97,11 +97,22 @@ def simulator_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], uni
         base = _with_comm(base, profile, profile.comm, stage_layers, sc, schedule)
     if profile.actions:  # the runtime's own time per action (chimera profile --comm local measures it)
         base = replace(base, fixed=tuple(sorted(profile.actions.items())))
-    if profile.step_s:  # and per step: on the optimizer step, or spread over a worker's post-validated updates
-        per_worker = len(schedule.stages_of(0))
-        base = replace(base, optimizer=base.optimizer + profile.step_s,
-                       extra=(("stage_update", tuple(t + profile.step_s / per_worker for t in stage_opt)),))
+    if profile.step_s:  # and per step
+        base = per_step(base, profile.step_s, schedule)
     return base.first_stage_whole_backward(len(stage_layers))
+
+
+def per_step(costs: Costs, step_s: float, schedule: Schedule) -> Costs:
+    """``costs`` with ``step_s`` more per step: what a step pays once beyond its actions
+    (:func:`chimera.calibrate.step_remainder`), on the optimizer step of a drained lowering, or spread over each
+    worker's stage updates of a post-validated one (a lowered schedule has one or the other)."""
+    if not step_s:
+        return costs
+    per_worker = len(schedule.stages_of(0))
+    update = costs.field_value("stage_update")
+    spread = tuple(costs.stage_value(update, s) + step_s / per_worker for s in range(schedule.stages))
+    extra = tuple((k, v) for k, v in costs.extra if k != "stage_update") + (("stage_update", spread),)
+    return replace(costs, optimizer=costs.optimizer + step_s, extra=extra)
 
 
 def _with_comm(base: Costs, profile: Profile, comm: CommProfile, stage_layers: Sequence[Sequence[int]],
