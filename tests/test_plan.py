@@ -146,7 +146,9 @@ def test_communication_on_cpu_gloo_takes_worker_time():
     """On CPU with gloo the workers' own cores move the messages and pack the gradient sums: sends and receives
     cost the link's fixed time, a sum's start one bucket copy plus the link's time for it (two replicas exchange
     their buckets; more post an allreduce: its fixed time) and its wait 2.5 copies, and a worker holding
-    both ends of a tied pair adds them and copies the sum back in the optimizer step. Not on GPU (NCCL)."""
+    both ends of a tied pair adds them and copies the sum back in the optimizer step. A sum between two ranks
+    (a stage's two replicas, a tied pair's two ends) takes the p2p link and an add, not the allreduce's. Not on
+    GPU (NCCL)."""
     import dataclasses
 
     from chimera.profile import Link
@@ -169,7 +171,12 @@ def test_communication_on_cpu_gloo_takes_worker_time():
     gpu = dataclasses.replace(cpu, device="cuda", comm=dataclasses.replace(cpu.comm, backend="nccl"))
     g = simulator_costs(gpu, stage_layers, 1, False, sched, "adamw")
     assert (g.p2p_busy, g.sync_start, g.sync_wait) == (0, 0, 0)
-    assert c.optimizer - g.optimizer == pytest.approx(2.5 * copy.time(2_000_000))  # each worker holds both ends
+    # two ranks on gloo exchange their buffers and add (the buckets, and the tied pair's sum); NCCL all-reduces
+    exchange = [cpu.comm.p2p.time(b) + copy.time(b) for b in (*buckets, 2_000_000)]
+    ring = [cpu.comm.allreduce[2].time(b) for b in (*buckets, 2_000_000)]
+    assert c.allreduce == pytest.approx(exchange[:2]) and g.allreduce == pytest.approx(ring[:2])
+    # each worker holds both ends: it adds them and copies the sum back
+    assert c.optimizer - g.optimizer == pytest.approx(2.5 * copy.time(2_000_000) + exchange[2] - ring[2])
     assert simulate(lower(sched), c).makespan > simulate(lower(sched), g).makespan
     four = simulator_costs(cpu, layers_of([1, 1, 1, 1]), 1, False, build_schedule("chimera4", 4, 4), "adamw")
     assert four.sync_start[1] == pytest.approx(copy.time(1_000_000) + latency)  # four replicas: an allreduce posted

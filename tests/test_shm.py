@@ -100,6 +100,38 @@ def test_large_messages_and_channels_not_set_up_are_left_to_gloo():
     assert got == {0: (True, True, 2), 1: (True, True, 2)}
 
 
+def _sized(rank: int, chans: ShmChannels) -> Any:
+    """Rank 0 opens its channel for 3 MiB messages and asks nothing of rank 1's: the receiver reads the limit from
+    the file its creator made, so both route a 3 MiB message through shared memory, and a larger one to gloo."""
+    n = 3 * 2**20
+    chans.add([("sum", 0, 1), ("sum", 1, 0)], {("sum", 0, 1): n} if rank == 0 else {})
+    limits = (chans.channels[("sum", 0, 1)].max_message, chans.channels[("sum", 1, 0)].max_message)
+    over = chans.post("sum", 1 - rank, rank == 0, torch.zeros(n // 4 + 1)) is None
+    t = torch.arange(n // 4, dtype=torch.float32) if rank == 0 else torch.zeros(n // 4)
+    w = chans.post("sum", 1 - rank, rank == 0, t)
+    w.wait(timedelta(seconds=30))
+    return limits, over, w is not None, bool((t == torch.arange(n // 4, dtype=torch.float32)).all())
+
+
+def test_a_channel_opened_for_large_messages_carries_them_and_both_ends_read_one_limit():
+    got = _ok(_run(_sized))
+    assert got[0] == got[1] == ((3 * 2**20, MAX_MESSAGE_BYTES), True, True, True)
+
+
+def test_large_channels_are_capped_by_the_ring_limit_and_by_the_room_in_dev_shm(monkeypatch):
+    class Room:
+        f_bavail, f_frsize = 40 * 2**20, 1  # a quarter: 10 MiB for this rank's large rings
+
+    monkeypatch.setattr(shm.os, "statvfs", lambda path: Room())
+    keys = [("a", 0, 1), ("b", 0, 1), ("c", 0, 1), ("d", 0, 1)]
+    sizes = {("a", 0, 1): 4 * 2**20, ("b", 0, 1): 4 * 2**20, ("c", 0, 1): 2**10}
+    assert shm._limits(keys, sizes) == {("a", 0, 1): 4 * 2**20, ("b", 0, 1): MAX_MESSAGE_BYTES,  # a took 8 MiB
+                                        ("c", 0, 1): MAX_MESSAGE_BYTES, ("d", 0, 1): MAX_MESSAGE_BYTES}
+    Room.f_bavail = 2**40
+    assert shm._limits(keys[:1], {keys[0]: shm.MAX_CHANNEL_BYTES}) == {keys[0]: MAX_MESSAGE_BYTES}  # ring too large
+    assert shm.ring_bytes(MAX_MESSAGE_BYTES) == RING_BYTES and shm.ring_bytes(4 * 2**20) == 2 * (4 * 2**20 + 64)
+
+
 def _timeout(rank: int, chans: ShmChannels) -> Any:
     if rank == 0:
         time.sleep(1)  # past rank 1's deadline

@@ -119,17 +119,17 @@ def _with_comm(base: Costs, profile: Profile, comm: CommProfile, stage_layers: S
                sc: StageCosts, schedule: Schedule) -> Costs:
     """``base`` with the measured links priced: messages, each stage's replica gradient sum, and one synchronous
     sum of the tied parameters over every rank holding either end (added to the optimizer step)."""
+    copy = _host_copy(profile, comm)
     allreduce = []
     for s in range(len(stage_layers)):
         n = schedule.stage_group_size(s)
         bucket = sc.param_bytes[s] - sc.tied_bytes[s]
-        allreduce.append(_allreduce_link(profile, n).time(bucket) if n > 1 and bucket > 0 else 0.0)
+        allreduce.append(_sum_s(profile, comm, copy, n, bucket) if n > 1 and bucket > 0 else 0.0)
     optimizer_s = base.optimizer
     tied_stages = [s for s, b in enumerate(sc.tied_bytes) if b]
-    copy = _host_copy(profile, comm)
     if tied_stages:
         ranks = {r for s in tied_stages for r in schedule.stage_group(s)}
-        optimizer_s += _allreduce_link(profile, len(ranks)).time(max(sc.tied_bytes))
+        optimizer_s += _sum_s(profile, comm, copy, len(ranks), max(sc.tied_bytes))
         if copy is not None:  # a worker holding k ends adds k - 1 into the first and copies the sum back
             ends = max(sum(s in tied_stages for _, s in schedule.stages_of(w)) for w in range(schedule.workers))
             optimizer_s += SUM_COPIES * (ends - 1) * copy.time(max(sc.tied_bytes))
@@ -137,6 +137,15 @@ def _with_comm(base: Costs, profile: Profile, comm: CommProfile, stage_layers: S
     busy = _host_busy(copy, comm, sc, allreduce, groups) if copy is not None else {}
     return replace(base, p2p_latency=comm.p2p.latency_s, p2p_bytes=sc.out_bytes, p2p_bandwidth=comm.p2p.bandwidth_Bps,
                    allreduce=allreduce, optimizer=optimizer_s, **busy)
+
+
+def _sum_s(profile: Profile, comm: CommProfile, copy: Link | None, ranks: int, nbytes: int) -> float:
+    """A gradient sum of ``nbytes`` over ``ranks`` ranks. Two ranks on the workers' own cores (gloo on CPU)
+    exchange their buffers as one p2p message each way and add (``GradBuckets``' exchange, the runtime's tied
+    sum): the p2p link's time for the bytes plus one copy for the add; else the measured allreduce."""
+    if copy is not None and ranks == 2:
+        return comm.p2p.time(nbytes) + copy.time(nbytes)
+    return _allreduce_link(profile, ranks).time(nbytes)
 
 
 def _clip_s(profile: Profile, sc: StageCosts, schedule: Schedule) -> float:

@@ -39,14 +39,15 @@ def comm_probe(rank: int, world: int, device: torch.device, sizes: Sequence[int]
 
     Returns ``{"p2p": [(bytes, s), ...], "allreduce": {n: [(bytes, s), ...]}}`` (empty where this rank timed
     nothing); one warm-up exchange per size is discarded. The p2p messages take the runtime's path: on CPU with
-    ``p2p`` auto, shared memory between processes of one host up to its message limit (``chimera.util.shm``),
-    gloo beyond it and between hosts.
+    ``p2p`` auto, shared memory between processes of one host (``chimera.util.shm``; channels sized to the largest
+    of ``sizes``, as the runtime sizes them to its largest message), gloo between hosts.
     """
     from chimera.util.shm import ShmChannels
 
     out: dict[str, Any] = {"p2p": [], "allreduce": {}}
     pairs = [("probe", a, b) for i in range(world - 1) for a, b in ((i, i + 1), (i + 1, i))]
-    chans = ShmChannels.open(rank, pairs, device.type == "cpu" and p2p == "auto")  # every rank: the same device
+    # every rank: the same device; the channels take the largest size, as the runtime's take its largest message
+    chans = ShmChannels.open(rank, pairs, device.type == "cpu" and p2p == "auto", dict.fromkeys(pairs, max(sizes)))
     for first in (0, 1):
         for a in range(first, world - 1, 2):
             if rank in (a, a + 1):

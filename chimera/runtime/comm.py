@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -62,7 +62,7 @@ class Communicator:
 
     def __init__(self, schedule: Schedule, rank: int, tied: Iterable[Sequence[int]] = (), timeout_s: float = 120.0,
                  worker_name: str = "", payload: str = "full", host_stages: Collection[int] = (),
-                 p2p: str = "auto") -> None:
+                 p2p: str = "auto", message_bytes: int = 0) -> None:
         if payload not in PAYLOADS:
             raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
         self.single_byte = payload == "single-byte"
@@ -97,8 +97,23 @@ class Communicator:
             group = dist.new_group(list(ranks))
             if rank in ranks:
                 self.tied_groups[ranks] = self._named(group, "tied")
-        # same-host p2p through shared memory (gloo jobs with p2p "auto"; a collective: every rank, same arguments)
-        self.shm = ShmChannels.open(rank, _pairs(schedule, world), p2p == "auto") if self.backend == "gloo" else None
+        # same-host p2p through shared memory (gloo jobs with p2p "auto"; a collective: every rank, same arguments),
+        # each channel taking the job's largest activation (``message_bytes``)
+        pairs = _pairs(schedule, world)
+        self.shm = (ShmChannels.open(rank, pairs, p2p == "auto", dict.fromkeys(pairs, message_bytes))
+                    if self.backend == "gloo" else None)
+
+    def open_sums(self, messages: Mapping[tuple[Any, int], int]) -> None:
+        """Shared-memory channels for the pairwise gradient sums of this rank: ``messages`` maps (group, peer's
+        global rank) to the largest message exchanged with that peer on that group. A collective: every rank
+        calls it once, after building its sums (no channels on NCCL or with another p2p)."""
+        if self.shm is None:
+            return
+        sizes = {}
+        for (group, peer), nbytes in messages.items():
+            label = self._labels.get(id(group), "")
+            sizes[(label, self.rank, peer)] = sizes[(label, peer, self.rank)] = nbytes
+        self.shm.add(sorted(sizes), sizes)
 
     def close(self) -> None:
         """Unmap the shared-memory channels."""

@@ -39,6 +39,12 @@ class GradBuckets:
         self._incoming: list[tuple[torch.Tensor, dist.Work]] = []
         self._pending: list[tuple[list[torch.nn.Parameter], torch.Tensor, list[dist.Work], torch.Tensor | None]] = []
 
+    def messages(self) -> dict[tuple[dist.ProcessGroup | None, int], int]:
+        """(group, peer) -> the largest bucket in bytes, where the sum is an exchange with that peer (else empty)."""
+        if self.peer is None or not self.buckets:
+            return {}
+        return {(self.group, self.peer): max(sum(p.numel() * p.element_size() for p in b) for b in self.buckets)}
+
     def prepost(self) -> None:
         """Post the receives of the peer's buckets (exchange mode only; once per step, before :meth:`start`)."""
         if self.peer is None or self._incoming:

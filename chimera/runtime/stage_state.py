@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from chimera.job import Job
 from chimera.models import StageModule, build_stage
 from chimera.offload.store import HostStore
 from chimera.optim import build_optimizer, clip_grad_norm_global, warmup_decay_schedule
-from chimera.runtime.comm import Communicator
+from chimera.runtime.comm import Communicator, Op
 from chimera.runtime.grad_sync import GradBuckets
 from chimera.runtime.zero import ShardedUpdate
 
@@ -81,6 +82,7 @@ class StageState:
                 grad_home = home if on_host else _same
                 params = [grad_home(p) for p in _unique(mod.parameters()) if id(home(p)) not in tied_ids]
                 self.buckets[(pipe, s)] = GradBuckets(params, group, comm, sched.stage_group(s))
+        comm.open_sums(self._sum_messages())  # every rank, after its sums exist (a collective)
         self.params = [home(p) for p in self.device_params]
         self.norm_params = [home(p) for p in self._norm_params(job, dp_rank)]
         self.clip = run.clip_grad
@@ -92,6 +94,26 @@ class StageState:
         self.lr = 0.0  # the learning rate of the last update
         self.lr_schedule = warmup_decay_schedule(self.optimizer, run.warmup_steps, max(run.steps, run.warmup_steps),
                                                  run.lr_schedule)
+
+    def _sum_messages(self) -> dict[tuple[Any, int], int]:
+        """(group, peer) -> the largest message of this rank's pairwise sums: the buckets exchanged by a pair of
+        replicas and the tied pairs summed between two ranks."""
+        out: dict[tuple[Any, int], int] = {}
+        for buckets in self.buckets.values():
+            for key, nbytes in buckets.messages().items():
+                out[key] = max(out.get(key, 0), nbytes)
+        for ends, ranks in self.tied:
+            group, peer = self._tied_peer(ranks)
+            if peer is not None:
+                out[(group, peer)] = max(out.get((group, peer), 0), max(p.numel() * p.element_size() for p in ends))
+        return out
+
+    def _tied_peer(self, ranks: tuple[int, ...]) -> tuple[Any, int | None]:
+        """The group of a tied pair's ranks, and the other rank where the sum is an exchange between two (gloo)."""
+        group = self.comm.tied_groups.get(ranks)
+        others = [r for r in ranks if r != self.comm.rank]
+        exchange = group is not None and len(ranks) == 2 and len(others) == 1 and self.comm.posts_early(group)
+        return group, others[0] if exchange else None
 
     def _norm_params(self, job: Job, dp_rank: int) -> list[torch.nn.Parameter]:
         """The parameters whose squared norm this rank adds to the global norm: one replica of every stage, and a
@@ -130,15 +152,24 @@ class StageState:
         return norm
 
     def sum_tied(self, step: int) -> None:
-        """Sum the gradients of every tied pair over the ranks that hold either end (blocking, pair by pair)."""
+        """Sum the gradients of every tied pair over the ranks that hold either end (blocking, pair by pair; between
+        two ranks on gloo an exchange, as a pair of replicas sums its buckets: ``a + b == b + a`` bitwise)."""
         for k, (ends, ranks) in enumerate(self.tied):  # (offloaded: the sums travel through the device, by pair)
             fill_grads(ends)
             total = ends[0].grad.to(self.device)  # summed in place: one pass per other end, no stacked copy
             for p in ends[1:]:
                 total.add_(p.grad.to(self.device))
-            group = self.comm.tied_groups.get(ranks)
-            if group is not None:  # None: every end is on this rank, summed above
-                total = self.comm.allreduce(total, group, f"tied-weight gradient sum {k} in step {step}")
+            group, peer = self._tied_peer(ranks)
+            what = f"tied-weight gradient sum {k} in step {step}"
+            if peer is not None:
+                theirs = torch.empty_like(total)
+                works = self.comm.post([Op(False, theirs, peer, group), Op(True, total, peer, group)])
+                for w in works:
+                    self.comm.wait(w, what)
+                if not self.comm.single_byte:
+                    total.add_(theirs)
+            elif group is not None:  # None: every end is on this rank, summed above
+                total = self.comm.allreduce(total, group, what)
             for p in ends:
                 if p.grad is not total:
                     p.grad.copy_(total)

@@ -16,6 +16,7 @@ the executor.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -105,7 +106,8 @@ class PipelineWorker:
                                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=t.timeout_s))
         host_stages = [s for s in range(sched.stages) if self.job.offload.gradients_at(s)]
         self.comm = Communicator(sched, self.rank, tied_ranks(self.job).values(), t.timeout_s, self.name, t.comm_payload,
-                                 host_stages, t.p2p)
+                                 host_stages, t.p2p,
+                                 _largest_message(self.job))
         self.stages = StageState(self.job, self.worker, self.dp_rank, self.device, self.comm)
         self.post = PostValidation(self.stages) if t.post_validate else None
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if t.amp and self.device.type == "cuda"
@@ -280,3 +282,9 @@ register_handler(Kind.VALIDATE, lambda w: w._validate)
 register_handler(Kind.SWAP_IN, _swap("swap_in"))
 register_handler(Kind.SWAP_OUT, _swap("swap_out"))
 register_handler(Kind.GRAD_OUT, _swap("grads_out"))
+
+
+def _largest_message(job: Job) -> int:
+    """Bytes of the largest tensor a pipe sends between two stages (an activation, or its gradient)."""
+    return max((math.prod(t.shape) * t.dtype.itemsize for s in range(1, job.schedule.stages)
+                for t in job.stage_inputs(s)), default=0)

@@ -10,7 +10,10 @@ Rules (the same as gloo's for one channel): the n-th receive posted on a channel
 whatever order the works are waited in; a send never blocks (when the ring is full a background thread writes it
 as room frees); while the rank blocks on a gloo wait, that thread also fills its posted receives; every wait has a
 deadline, and a peer that exits is noticed within a second.
-Messages above ``MAX_MESSAGE_BYTES`` take gloo (both sides route by the tensor's size, so they agree).
+A channel takes messages up to ``MAX_MESSAGE_BYTES`` unless it was opened for larger ones (a pair of replicas'
+gradient buckets, an activation larger than that): its ring then holds two of its largest message. The creator
+writes the limit into the channel's header, so both sides route by one figure: a larger message takes gloo.
+Large rings are capped (:data:`MAX_CHANNEL_BYTES`, and a quarter of /dev/shm's free space per rank's channels).
 
 Linux on x86-64 only (futexes on a shared mapping, x86's store order: a reader that sees the ring's head sees the
 data written before it); elsewhere, or where a rank cannot map its peer's file (another host, another /dev/shm),
@@ -21,150 +24,53 @@ and their files are unlinked once both ends have them mapped.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import mmap
 import os
-import platform
 import secrets
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-#: messages up to this size go through shared memory, larger ones through gloo
-MAX_MESSAGE_BYTES = 256 * 1024
-#: ring bytes per channel (a multiple of 64; at least 64 + MAX_MESSAGE_BYTES + 64)
-RING_BYTES = 1024 * 1024
-_DATA = 256  # header: futex word @0, head @64, tail @128, sender pid @192, receiver pid @200
-_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
-_LIVENESS_S = 1.0  # a waiter checks that its peer process is alive this often
-_POLL_S = 0.0005  # how often a full ring is retried (room freed wakes no one)
+from chimera.util.shm_ring import (
+    FUTEX_WAIT,
+    LIVENESS_S,
+    MAX_CHANNEL_BYTES,
+    MAX_MESSAGE_BYTES,
+    POLL_S,
+    RING_BYTES,
+    Channel,
+    alive,
+    futex,
+    ring_bytes,
+    supported,
+)
+
+__all__ = ["MAX_CHANNEL_BYTES", "MAX_MESSAGE_BYTES", "RING_BYTES", "ShmChannels", "ShmWork", "ring_bytes", "supported"]
 
 
-def supported() -> bool:
-    """Whether this platform has the transport (Linux, x86-64, /dev/shm)."""
-    return (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-            and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK))
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_libc: Any = None
-
-
-def _futex(addr: int, op: int, val: int, timeout_s: float | None = None) -> None:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    ts = None
-    if timeout_s is not None:
-        ts = ctypes.byref(_Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9)))
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), op, ctypes.c_int(val), ts, None, 0)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (an exited one not yet reaped, a zombie, does not)."""
+def _limits(mine: Iterable[tuple[str, int, int]], sizes: Mapping[tuple[str, int, int], int]
+            ) -> dict[tuple[str, int, int], int]:
+    """The message limit of each channel this rank creates: its size asked where the ring fits under
+    ``MAX_CHANNEL_BYTES`` and, with the others before it, a quarter of /dev/shm's free space; else the default."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X", "x")
-
-
-class Channel:
-    """One direction between two ranks: a ring of messages (8-byte size header, data, 64-byte aligned)."""
-
-    def __init__(self, path: str, create: bool) -> None:
-        size = _DATA + RING_BYTES
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:  # the pages reserved now: a full /dev/shm fails here (gloo's then), not with SIGBUS later
-                os.posix_fallocate(fd, 0, size)
-            self.mm = mmap.mmap(fd, size)
-        except BaseException:
-            if create:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        self.path = path
-        self.pub = ctypes.c_int32.from_buffer(self.mm, 0)  # bumped per message: the receiver's futex word
-        self.head = ctypes.c_uint64.from_buffer(self.mm, 64)  # bytes written (the sender's)
-        self.tail = ctypes.c_uint64.from_buffer(self.mm, 128)  # bytes consumed (the receiver's)
-        self.pids = (ctypes.c_int64 * 2).from_buffer(self.mm, 192)  # sender, receiver
-        self.words = (ctypes.c_int64 * (RING_BYTES // 8)).from_buffer(self.mm, _DATA)
-        self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_DATA, count=RING_BYTES)
-        self.pub_addr = ctypes.addressof(self.pub)
-        self.lock = threading.RLock()  # the main thread and the background thread move the channel on
-        self.pending: deque[ShmWork] = deque()  # sends not yet written (ring full), in order
-        self.posted: deque[ShmWork] = deque()  # receives posted, not yet filled, in order
-
-    # -- sender ------------------------------------------------------------------------------------
-    def try_write(self, src: torch.Tensor) -> bool:
-        """Write ``src`` (bytes) if the ring has room; False if not (nothing written)."""
-        n = src.numel()
-        need = 64 + -(-n // 64) * 64
-        head, tail = self.head.value, self.tail.value
-        pos = head % RING_BYTES
-        skip = 0
-        if head == tail and 0 < need <= pos or RING_BYTES - pos < need:  # empty: start over (few pages touched);
-            skip = RING_BYTES - pos  # or wrap (a message never straddles the end; need <= RING_BYTES / 2)
-        if RING_BYTES - (head - tail) < skip + need:
-            return False
-        if skip:
-            self.words[pos // 8] = -1
-            pos = 0
-        self.words[pos // 8] = n
-        if n:
-            self.data[pos + 64:pos + 64 + n].copy_(src)
-        self.head.value = head + skip + need  # after the data: x86 keeps the order of stores
-        self.pub.value = (self.pub.value + 1) & 0x7FFFFFFF
-        _futex(self.pub_addr, _FUTEX_WAKE, 1)  # a syscall: the reader either sees pub moved or is woken
-        return True
-
-    def flush(self) -> None:
-        """Write the pending sends that now fit, in order."""
-        with self.lock:
-            while self.pending and self.try_write(self.pending[0].src):
-                w = self.pending.popleft()
-                w.done, w.src = True, None
-
-    # -- receiver ----------------------------------------------------------------------------------
-    def try_read(self, dst: torch.Tensor | None, nbytes: int) -> bool:
-        """Read the next message into ``dst`` (bytes) if there is one; False if the ring is empty."""
-        while True:
-            tail = self.tail.value
-            if self.head.value == tail:
-                return False
-            pos = tail % RING_BYTES
-            n = self.words[pos // 8]
-            if n >= 0:
-                break
-            self.tail.value = tail + RING_BYTES - pos  # the sender wrapped
-        if n != nbytes:
-            raise RuntimeError(f"shared-memory channel {self.path}: the next message has {n} bytes, the receive "
-                               f"posted for it {nbytes}: the two ranks' schedules disagree")
-        if n and dst is not None:
-            dst.copy_(self.data[pos + 64:pos + 64 + n])
-        self.tail.value = tail + 64 + -(-n // 64) * 64
-        return True
-
-    def close(self) -> None:
-        self.pending.clear()
-        self.posted.clear()
-        del self.pub, self.head, self.tail, self.pids, self.words, self.data
-        with contextlib.suppress(BufferError):
-            self.mm.close()
+        st = os.statvfs("/dev/shm")
+        room = st.f_bavail * st.f_frsize // 4
+    except OSError:
+        room = 0
+    out = {}
+    for key in mine:
+        want = max(sizes.get(key, MAX_MESSAGE_BYTES), MAX_MESSAGE_BYTES)
+        ring = ring_bytes(want)
+        if want > MAX_MESSAGE_BYTES and (ring > MAX_CHANNEL_BYTES or ring > room):
+            want, ring = MAX_MESSAGE_BYTES, RING_BYTES
+        room -= ring if want > MAX_MESSAGE_BYTES else 0
+        out[key] = want
+    return out
 
 
 class ShmWork:
@@ -204,27 +110,40 @@ class ShmChannels:
         self._flusher: threading.Thread | None = None
         self._armed = False  # the caller blocks elsewhere: the background thread reads too (background())
         self._closed = False
+        self.enabled = bool(channels)  # whether add() opens channels (open() says)
 
     @classmethod
-    def open(cls, rank: int, pairs: Iterable[tuple[str, int, int]], enabled: bool) -> ShmChannels:
+    def open(cls, rank: int, pairs: Iterable[tuple[str, int, int]], enabled: bool,
+             sizes: Mapping[tuple[str, int, int], int] | None = None) -> ShmChannels:
         """Set up the channels of ``pairs`` (label, sender, receiver) whose two ranks share a host: a collective
-        over the default group that every rank calls with the same pairs and ``enabled`` (none when it is False)."""
-        if not enabled:
-            return cls(rank, {})
-        world = dist.get_world_size()
-        ok = supported()
-        host = _host_id() if ok else None
+        over the default group that every rank calls with the same ``enabled`` (no channels when it is False) and
+        the pairs it sends or receives on (:meth:`add`)."""
+        chans = cls(rank, {})
+        chans.enabled = enabled
+        chans.add(pairs, sizes)
+        return chans
+
+    def add(self, pairs: Iterable[tuple[str, int, int]], sizes: Mapping[tuple[str, int, int], int] | None = None
+            ) -> None:
+        """Open more channels: a collective over the default group, as :meth:`open` (nothing where not enabled).
+        ``sizes``: the largest message of a pair where it exceeds ``MAX_MESSAGE_BYTES`` (the sender's figure
+        counts, capped by :func:`_limits`)."""
+        if not self.enabled:
+            return
+        rank, world, ok = self.rank, dist.get_world_size(), supported()
         hosts: list[Any] = [None] * world
-        dist.all_gather_object(hosts, (host, secrets.token_hex(6)))
+        dist.all_gather_object(hosts, (_host_id() if ok else None, secrets.token_hex(6)))
         token = hosts[0][1]
-        local = [p for p in pairs if ok and hosts[p[1]][0] is not None and hosts[p[1]][0] == hosts[p[2]][0]]
+        local = [p for p in pairs if ok and hosts[p[1]][0] is not None and hosts[p[1]][0] == hosts[p[2]][0]
+                 and p not in self.channels]
         mine: dict[tuple[str, int, int], Channel] = {}
         opened: dict[tuple[str, int, int], Channel] = {}
+        limits = _limits([k for k in local if k[1] == rank], sizes or {})
         try:
             for key in local:
                 if key[1] == rank:
                     with contextlib.suppress(OSError):
-                        ch = mine[key] = Channel(_path(token, key), create=True)
+                        ch = mine[key] = Channel(_path(token, key), create=True, max_message=limits[key])
                         ch.pids[0] = os.getpid()
             dist.barrier()
             for key in local:
@@ -239,18 +158,18 @@ class ShmChannels:
                 with contextlib.suppress(OSError):
                     os.unlink(ch.path)
         agreed = {tuple(k) for keys in both for k in keys}
-        channels = {k: ch for k, ch in {**mine, **opened}.items() if k in agreed}
         for k, ch in {**mine, **opened}.items():
-            if k not in agreed:
+            if k in agreed:
+                self.channels[k] = ch
+            else:
                 ch.close()
-        return cls(rank, channels)
 
     def post(self, label: str, peer: int, is_send: bool, tensor: torch.Tensor) -> ShmWork | None:
         """Post one send to (receive from) global rank ``peer`` on the group ``label``; None where the message
-        takes gloo (no channel, or larger than ``MAX_MESSAGE_BYTES``)."""
+        takes gloo (no channel, or larger than the channel takes)."""
         key = (label, self.rank, peer) if is_send else (label, peer, self.rank)
         ch = self.channels.get(key)
-        if ch is None or tensor.numel() * tensor.element_size() > MAX_MESSAGE_BYTES or not tensor.is_contiguous():
+        if ch is None or tensor.numel() * tensor.element_size() > ch.max_message or not tensor.is_contiguous():
             return None
         w = ShmWork(self, ch, is_send, tensor)
         if is_send:
@@ -308,15 +227,15 @@ class ShmChannels:
             if now >= deadline:
                 raise RuntimeError(f"{'send to' if w.is_send else 'receive from'} process {w.peer_pid} timed out "
                                    f"after {limit:g} s (shared memory)")
-            if now - checked >= _LIVENESS_S:
+            if now - checked >= LIVENESS_S:
                 checked = now
-                if w.peer_pid and not _alive(w.peer_pid):
+                if w.peer_pid and not alive(w.peer_pid):
                     raise RuntimeError(f"the peer process {w.peer_pid} exited (shared memory)")
-            slice_s = min(deadline - now, _LIVENESS_S)
+            slice_s = min(deadline - now, LIVENESS_S)
             if w.is_send or self._any_pending():
-                time.sleep(min(slice_s, _POLL_S))  # room in a ring wakes no one: poll
+                time.sleep(min(slice_s, POLL_S))  # room in a ring wakes no one: poll
             else:
-                _futex(ch.pub_addr, _FUTEX_WAIT, p, slice_s)
+                futex(ch.pub_addr, FUTEX_WAIT, p, slice_s)
 
     def _any_pending(self) -> bool:
         return any(ch.pending for ch in self.channels.values())
@@ -360,9 +279,9 @@ class ShmChannels:
                         self._flusher = None
                         return
             if waiting is not None and not self._any_pending():
-                _futex(waiting.pub_addr, _FUTEX_WAIT, waiting.pub.value, _POLL_S)  # woken by its next message
+                futex(waiting.pub_addr, FUTEX_WAIT, waiting.pub.value, POLL_S)  # woken by its next message
             else:
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
 
     def _flush_all(self) -> None:
         for ch in self.channels.values():
