@@ -69,7 +69,8 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
     shared among the processes, as that many workers take them (:func:`chimera.compile.worker_threads`). The
     profile records ``concurrent`` (:attr:`Profile.concurrent`), which the planner checks against the workers
     that will share a machine. ``progress(done, total)`` hears every layer profiled (one process's, when
-    concurrent).
+    concurrent). Every optimizer's step is timed ``reps`` times too (at least 3): with 3, the optimizer steps of
+    four bert-tiny profiles in a row summed to 7.6–11.5 ms; with 5, to 10.1–10.9.
     """
     if not isinstance(concurrent, int) or concurrent < 1:
         raise ProfileError(f"concurrent must be an integer >= 1 (processes profiled at once), got {concurrent!r}")
@@ -202,7 +203,7 @@ def _profile_layers(chain: LayerChain, sizes: list[int], dev: torch.device, amp:
         for (k, name_k), (j, name_j) in chain.tied_parameters():
             if i in (k, j):
                 tied[j if i == k else k] = _nbytes(layer.get_parameter(name_k if i == k else name_j))
-        opt_bytes, opt_s = optimizer_costs(layer)
+        opt_bytes, opt_s = optimizer_costs(layer, reps=max(3, reps))
         out.append(LayerProfile(i, type(layer).__name__, sum(p.numel() for p in params),
                                 sum(_nbytes(p) for p in params), opt_bytes, costs, tied, opt_s))
         del layer
