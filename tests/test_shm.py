@@ -118,7 +118,7 @@ def test_a_channel_opened_for_large_messages_carries_them_and_both_ends_read_one
     assert got[0] == got[1] == ((3 * 2**20, MAX_MESSAGE_BYTES), True, True, True)
 
 
-def test_large_channels_are_capped_by_the_ring_limit_and_by_the_room_in_dev_shm(monkeypatch):
+def test_large_channels_are_capped_by_the_ring_limit_and_by_their_share_of_the_room_in_dev_shm(monkeypatch):
     class Room:
         f_bavail, f_frsize = 40 * 2**20, 1  # a quarter: 10 MiB for this rank's large rings
 
@@ -127,6 +127,7 @@ def test_large_channels_are_capped_by_the_ring_limit_and_by_the_room_in_dev_shm(
     sizes = {("a", 0, 1): 4 * 2**20, ("b", 0, 1): 4 * 2**20, ("c", 0, 1): 2**10}
     assert shm._limits(keys, sizes) == {("a", 0, 1): 4 * 2**20, ("b", 0, 1): MAX_MESSAGE_BYTES,  # a took 8 MiB
                                         ("c", 0, 1): MAX_MESSAGE_BYTES, ("d", 0, 1): MAX_MESSAGE_BYTES}
+    assert shm._limits(keys[:1], {keys[0]: 4 * 2**20}, sharing=4) == {keys[0]: MAX_MESSAGE_BYTES}  # 10/4 MiB each
     Room.f_bavail = 2**40
     assert shm._limits(keys[:1], {keys[0]: shm.MAX_CHANNEL_BYTES}) == {keys[0]: MAX_MESSAGE_BYTES}  # ring too large
     assert shm.ring_bytes(MAX_MESSAGE_BYTES) == RING_BYTES and shm.ring_bytes(4 * 2**20) == 2 * (4 * 2**20 + 64)

@@ -13,7 +13,7 @@ deadline, and a peer that exits is noticed within a second.
 A channel takes messages up to ``MAX_MESSAGE_BYTES`` unless it was opened for larger ones (a pair of replicas'
 gradient buckets, an activation larger than that): its ring then holds two of its largest message. The creator
 writes the limit into the channel's header, so both sides route by one figure: a larger message takes gloo.
-Large rings are capped (:data:`MAX_CHANNEL_BYTES`, and a quarter of /dev/shm's free space per rank's channels).
+Large rings are capped (:data:`MAX_CHANNEL_BYTES`, and a quarter of /dev/shm's free space shared by the host's ranks).
 
 Linux on x86-64 only (futexes on a shared mapping, x86's store order: a reader that sees the ring's head sees the
 data written before it); elsewhere, or where a rank cannot map its peer's file (another host, another /dev/shm),
@@ -53,13 +53,14 @@ from chimera.util.shm_ring import (
 __all__ = ["MAX_CHANNEL_BYTES", "MAX_MESSAGE_BYTES", "RING_BYTES", "ShmChannels", "ShmWork", "ring_bytes", "supported"]
 
 
-def _limits(mine: Iterable[tuple[str, int, int]], sizes: Mapping[tuple[str, int, int], int]
+def _limits(mine: Iterable[tuple[str, int, int]], sizes: Mapping[tuple[str, int, int], int], sharing: int = 1
             ) -> dict[tuple[str, int, int], int]:
     """The message limit of each channel this rank creates: its size asked where the ring fits under
-    ``MAX_CHANNEL_BYTES`` and, with the others before it, a quarter of /dev/shm's free space; else the default."""
+    ``MAX_CHANNEL_BYTES`` and, with the others before it, this rank's share of a quarter of /dev/shm's free space
+    (``sharing``: the ranks of this host, which make theirs at the same time); else the default."""
     try:
         st = os.statvfs("/dev/shm")
-        room = st.f_bavail * st.f_frsize // 4
+        room = st.f_bavail * st.f_frsize // (4 * max(1, sharing))
     except OSError:
         room = 0
     out = {}
@@ -138,7 +139,8 @@ class ShmChannels:
                  and p not in self.channels]
         mine: dict[tuple[str, int, int], Channel] = {}
         opened: dict[tuple[str, int, int], Channel] = {}
-        limits = _limits([k for k in local if k[1] == rank], sizes or {})
+        here = sum(h[0] is not None and h[0] == hosts[rank][0] for h in hosts)  # ranks on this host
+        limits = _limits([k for k in local if k[1] == rank], sizes or {}, here)
         try:
             for key in local:
                 if key[1] == rank:
