@@ -182,6 +182,26 @@ def test_communication_on_cpu_gloo_takes_worker_time():
     assert four.sync_start[1] == pytest.approx(copy.time(1_000_000) + latency)  # four replicas: an allreduce posted
 
 
+def test_a_tied_pair_within_one_stage_is_one_parameter_to_sum_and_step():
+    """Both ends of a tied pair on one stage are one parameter there: its gradient is summed and stepped once (the
+    profile lists it in both layers). On two stages each end is its own parameter. bert-tiny with its embedding tied
+    to its head, on one stage: 10.0 ms of LAMB priced, 6.2 measured, before this."""
+    from chimera.plan.costs import stage_costs
+
+    layers = [dataclasses.replace(layer(i, 0.01, 4_000_000, 1000, 100, SIZES), optimizer_s={"adamw": 0.004})
+              for i in range(4)]
+    layers[0] = dataclasses.replace(layers[0], tied={3: 1_000_000})
+    layers[3] = dataclasses.replace(layers[3], tied={0: 1_000_000})
+    prof = profile(layers, SIZES, with_comm=False)
+    one, two = layers_of([4]), layers_of([2, 2])
+    assert stage_costs(prof, one, 1, False).param_bytes == [15_000_000]
+    assert stage_costs(prof, two, 1, False).param_bytes == [8_000_000, 8_000_000]
+    assert simulator_costs(prof, one, 1, False, build_schedule("1f1b", 1, 2), "adamw").optimizer == \
+        pytest.approx(4 * 0.004 - 0.004 / 4)  # the later end's share of its layer's step
+    assert simulator_costs(prof, two, 1, False, build_schedule("1f1b", 2, 2), "adamw").optimizer == \
+        pytest.approx(2 * 0.004)  # each worker steps its own end
+
+
 def test_chimera_partition_beats_balanced_pairs_and_uniform():
     """Stage i and stage D-1-i share a worker, so balancing single stages is not the goal; balancing the pairs is
     a good start, and the simulated step decides the rest (here it is shorter than both)."""

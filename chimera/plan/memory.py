@@ -82,15 +82,11 @@ def _stages(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, 
         kept = costs[0].input_bytes if recompute and s < last else full
         params = sum(profile.layers[i].param_bytes for i in layers)
         opt = sum(profile.layers[i].optimizer_bytes.get(optimizer, 0) for i in layers)
-        apart = within = opt_within = 0
-        for i in layers:
-            lp = profile.layers[i]
-            for j, nbytes in lp.tied.items():
-                if j not in layers:
-                    apart += nbytes
-                elif j < i:  # both ends here: one parameter, listed in both layers' counts
-                    within += nbytes
-                    opt_within += lp.optimizer_bytes.get(optimizer, 0) * nbytes // max(1, lp.param_bytes)
+        apart = sum(b for i in layers for j, b in profile.layers[i].tied.items() if j not in layers)
+        shared = profile.tied_within(layers)  # both ends here: one parameter, listed in both layers' counts
+        within = sum(b for _, b in shared)
+        opt_within = sum(profile.layers[i].optimizer_bytes.get(optimizer, 0) * b
+                         // max(1, profile.layers[i].param_bytes) for i, b in shared)
         packs = [sum(profile.layers[i].param_bytes for i in layers[j:j + pack])
                  for j in range(0, len(layers), pack)] if pack else []
         peak = max((a + b for a, b in zip(packs, packs[1:])), default=sum(packs))

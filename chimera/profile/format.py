@@ -149,6 +149,12 @@ class Profile:
                 out[k] += getattr(c, k).median_s
         return out
 
+    def tied_within(self, layers: Iterable[int]) -> list[tuple[int, int]]:
+        """(layer, bytes) of every tied pair with both ends among ``layers``, named by its later end: one parameter
+        there (one gradient, one optimizer state), which both layers' counts list."""
+        here = set(layers)
+        return [(i, b) for i in sorted(here) for j, b in self.layers[i].tied.items() if j in here and j < i]
+
     # -- files ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
