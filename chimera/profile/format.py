@@ -13,7 +13,7 @@ numbers::
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,11 +149,14 @@ class Profile:
                 out[k] += getattr(c, k).median_s
         return out
 
-    def tied_within(self, layers: Iterable[int]) -> list[tuple[int, int]]:
+    def tied_within(self, layers: Sequence[int]) -> list[tuple[int, int]]:
         """(layer, bytes) of every tied pair with both ends among ``layers``, named by its later end: one parameter
         there (one gradient, one optimizer state), which both layers' counts list."""
+        pairs = [(i, j, b) for i in layers for j, b in self.layers[i].tied.items()]
+        if not pairs:  # (the planner asks for every stage of every candidate)
+            return []
         here = set(layers)
-        return [(i, b) for i in sorted(here) for j, b in self.layers[i].tied.items() if j in here and j < i]
+        return sorted((i, b) for i, j, b in pairs if j in here and j < i)
 
     # -- files ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
