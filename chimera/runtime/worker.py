@@ -106,8 +106,7 @@ class PipelineWorker:
                                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=t.timeout_s))
         host_stages = [s for s in range(sched.stages) if self.job.offload.gradients_at(s)]
         self.comm = Communicator(sched, self.rank, tied_ranks(self.job).values(), t.timeout_s, self.name, t.comm_payload,
-                                 host_stages, t.p2p,
-                                 _largest_message(self.job))
+                                 host_stages, t.p2p, _largest_message(self.job))
         self.stages = StageState(self.job, self.worker, self.dp_rank, self.device, self.comm)
         self.post = PostValidation(self.stages) if t.post_validate else None
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if t.amp and self.device.type == "cuda"
