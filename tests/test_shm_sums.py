@@ -40,7 +40,7 @@ def _sums(rank: int, _: ShmChannels) -> Any:
     for buckets in stages.buckets.values():
         buckets.wait("a test sum")
     stages.sum_tied(0)
-    tied = {id(p) for ends, _ in stages.tied for p in ends}
+    tied = {id(p) for ends, _, _ in stages.tied for p in ends}
     return limits, paths, {k: p.grad.numpy().copy() for k, p in named.items()}, mine, \
         sorted(k for k, p in named.items() if id(p) in tied)
 

@@ -52,7 +52,6 @@ def stage_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: i
     """Costs of every stage of a partition at ``unit`` samples per schedule unit."""
     last = len(stage_layers) - 1
     fwd, bwd, out, params, tied, wgrad = [], [], [], [], [], []
-    stage_of = {i: s for s, layers in enumerate(stage_layers) for i in layers}
     for s, layers in enumerate(stage_layers):
         t = profile.stage_seconds(layers, unit)
         fwd.append(t["forward"])
@@ -61,7 +60,7 @@ def stage_costs(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: i
         out.append(profile.cost(layers[-1], unit).output_bytes)
         shared = sum(b for _, b in profile.tied_within(layers))  # a tied pair within: one parameter
         params.append(sum(profile.layers[i].param_bytes for i in layers) - shared)
-        tied.append(sum(b for i in layers for j, b in profile.layers[i].tied.items() if stage_of.get(j, s) != s))
+        tied.append(profile.tied_apart(layers))
     return StageCosts(fwd, bwd, out, params, tied, wgrad)
 
 

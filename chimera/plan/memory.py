@@ -82,7 +82,7 @@ def _stages(profile: Profile, stage_layers: Sequence[Sequence[int]], unit: int, 
         kept = costs[0].input_bytes if recompute and s < last else full
         params = sum(profile.layers[i].param_bytes for i in layers)
         opt = sum(profile.layers[i].optimizer_bytes.get(optimizer, 0) for i in layers)
-        apart = sum(b for i in layers for j, b in profile.layers[i].tied.items() if j not in layers)
+        apart = profile.tied_apart(layers)
         shared = profile.tied_within(layers)  # both ends here: one parameter, listed in both layers' counts
         within = sum(b for _, b in shared)
         opt_within = sum(profile.layers[i].optimizer_bytes.get(optimizer, 0) * b

@@ -149,6 +149,11 @@ class Profile:
                 out[k] += getattr(c, k).median_s
         return out
 
+    def tied_apart(self, layers: Sequence[int]) -> int:
+        """Bytes of the tied parameters among ``layers`` whose other end lies outside them (summed apart)."""
+        here = set(layers)
+        return sum(b for i in layers for j, b in self.layers[i].tied.items() if j not in here)
+
     def tied_within(self, layers: Sequence[int]) -> list[tuple[int, int]]:
         """(layer, bytes) of every tied pair with both ends among ``layers``, named by its later end: one parameter
         there (one gradient, one optimizer state), which both layers' counts list."""

@@ -65,14 +65,15 @@ class StageState:
         self.device_params = _unique(p for mod in self.modules.values() for p in mod.parameters())
         # every pair tied across stages with an end here (a V placement: both ends): its ends and the ranks that
         # hold one, summed pair by pair
-        self.tied: list[tuple[list[torch.nn.Parameter], tuple[int, ...]]] = []
+        # (ends here, the group of the ranks holding an end, the peer where the sum is an exchange between two)
+        self.tied: list[tuple[list[torch.nn.Parameter], Any, int | None]] = []
         pairs = job.chain.tied_parameters()
         for k, ranks in tied_ranks(job).items():
             ends = [home(mod.layers[mod.indices.index(layer_idx)].get_parameter(name))
                     for mod in self.modules.values() for layer_idx, name in pairs[k] if layer_idx in mod.indices]
             if ends:
-                self.tied.append((ends, ranks))
-        tied_ids = {id(p) for ends, _ in self.tied for p in ends}
+                self.tied.append((ends, *self._tied_peer(ranks)))
+        tied_ids = {id(p) for ends, _, _ in self.tied for p in ends}
         self.buckets: dict[StageKey, GradBuckets] = {}
         for (pipe, s), mod in self.modules.items():
             # offloaded gradients are summed over their host copies, on the stage's host group (gloo)
@@ -102,8 +103,7 @@ class StageState:
         for buckets in self.buckets.values():
             for key, nbytes in buckets.messages().items():
                 out[key] = max(out.get(key, 0), nbytes)
-        for ends, ranks in self.tied:
-            group, peer = self._tied_peer(ranks)
+        for ends, group, peer in self.tied:
             if peer is not None:
                 out[(group, peer)] = max(out.get((group, peer), 0), max(p.numel() * p.element_size() for p in ends))
         return out
@@ -154,12 +154,11 @@ class StageState:
     def sum_tied(self, step: int) -> None:
         """Sum the gradients of every tied pair over the ranks that hold either end (blocking, pair by pair; between
         two ranks on gloo an exchange, as a pair of replicas sums its buckets: ``a + b == b + a`` bitwise)."""
-        for k, (ends, ranks) in enumerate(self.tied):  # (offloaded: the sums travel through the device, by pair)
+        for k, (ends, group, peer) in enumerate(self.tied):  # (offloaded: the sums travel through the device)
             fill_grads(ends)
             total = ends[0].grad.to(self.device)  # summed in place: one pass per other end, no stacked copy
             for p in ends[1:]:
                 total.add_(p.grad.to(self.device))
-            group, peer = self._tied_peer(ranks)
             what = f"tied-weight gradient sum {k} in step {step}"
             if peer is not None:
                 theirs = torch.empty_like(total)

@@ -105,13 +105,13 @@ class ShmWork:
 class ShmChannels:
     """The shared-memory channels of one rank, keyed by (group label, sending rank, receiving rank)."""
 
-    def __init__(self, rank: int, channels: dict[tuple[str, int, int], Channel]) -> None:
+    def __init__(self, rank: int, channels: dict[tuple[str, int, int], Channel], enabled: bool = False) -> None:
         self.rank = rank
         self.channels = channels
         self._flusher: threading.Thread | None = None
         self._armed = False  # the caller blocks elsewhere: the background thread reads too (background())
         self._closed = False
-        self.enabled = bool(channels)  # whether add() opens channels (open() says)
+        self.enabled = enabled  # whether add() opens channels
 
     @classmethod
     def open(cls, rank: int, pairs: Iterable[tuple[str, int, int]], enabled: bool,
@@ -119,8 +119,7 @@ class ShmChannels:
         """Set up the channels of ``pairs`` (label, sender, receiver) whose two ranks share a host: a collective
         over the default group that every rank calls with the same ``enabled`` (no channels when it is False) and
         the pairs it sends or receives on (:meth:`add`)."""
-        chans = cls(rank, {})
-        chans.enabled = enabled
+        chans = cls(rank, {}, enabled)
         chans.add(pairs, sizes)
         return chans
 
