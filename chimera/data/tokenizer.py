@@ -113,79 +113,100 @@ def load_tokenizer(corpus: str | Path, family: str) -> Any:
     return _fast_class(family).from_pretrained(str(folder), local_files_only=True)
 
 
+class _Encoder:
+    """Writes tokens.bin, sentences.bin and documents.bin batch by batch (:meth:`flush`) and counts what it wrote."""
+
+    def __init__(self, family: str, tok: Any, dtype: np.dtype, files: tuple[Any, Any, Any]) -> None:
+        self.family, self.tok, self.dtype = family, tok, dtype
+        self.ft, self.fs, self.fd = files
+        self.eot = tok.convert_tokens_to_ids(GPT2_EOT) if family == "gpt2" else None
+        self.hist = np.zeros(LENGTH_BINS + 1, dtype=np.int64)
+        self.pos = self.sentences = self.documents = self.dropped = 0
+        self.pending: list[str] = []
+        # flags per pending line: starts a document / ends one (gpt2 appends <|endoftext|> to the last sentence)
+        self.starts: list[bool] = []
+        self.ends: list[bool] = []
+
+    def add(self, text: str, starts_document: bool) -> None:
+        """Queue one line; encode the queue first when it is full (keeping its last line, which may still end its
+        document)."""
+        if len(self.pending) >= ENCODE_LINES:
+            keep = (self.pending.pop(), self.starts.pop(), self.ends.pop())
+            self.flush()
+            self.pending.append(keep[0]), self.starts.append(keep[1]), self.ends.append(keep[2])
+        self.pending.append(text)
+        self.starts.append(starts_document)
+        self.ends.append(False)
+
+    def end_document(self) -> None:
+        if self.ends:
+            self.ends[-1] = True
+
+    def flush(self) -> None:
+        """Encode the queued lines and append them to the files."""
+        eot = self.eot
+        texts = [(" " + t if self.family == "gpt2" and not s else t) for t, s in zip(self.pending, self.starts)]
+        ids = self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+        out_tokens: list[np.ndarray] = []
+        out_starts: list[int] = []
+        out_docs: list[int] = []
+        for seq, first, last in zip(ids, self.starts, self.ends):
+            if first:
+                out_docs.append(self.sentences)
+                self.documents += 1
+            if not seq and not (last and eot is not None):
+                self.dropped += 1  # nothing the tokenizer keeps (e.g. only control characters)
+                continue
+            n = len(seq) + (1 if last and eot is not None else 0)
+            out_starts.append(self.pos)
+            out_tokens.append(np.asarray(seq + ([eot] if last and eot is not None else []), dtype=self.dtype))
+            self.hist[min(len(seq), LENGTH_BINS)] += 1
+            self.pos += n
+            self.sentences += 1
+        if out_tokens:
+            self.ft.write(np.concatenate(out_tokens).tobytes())
+        self.fs.write(np.asarray(out_starts, dtype="<i8").tobytes())
+        self.fd.write(np.asarray(out_docs, dtype="<i8").tobytes())
+        self.pending.clear()
+        self.starts.clear()
+        self.ends.clear()
+
+    def close(self) -> None:
+        """The last batch, and each offsets file's end marker."""
+        self.end_document()
+        self.flush()
+        self.fs.write(np.asarray([self.pos], dtype="<i8").tobytes())
+        self.fd.write(np.asarray([self.sentences], dtype="<i8").tobytes())
+
+
 def _encode(corpus: Path, family: str, tok: Any, folder: Path, dtype: np.dtype, progress: bool) -> dict[str, Any]:
     """Write tokens.bin, sentences.bin and documents.bin; return the counts for meta.json."""
-    eot = tok.convert_tokens_to_ids(GPT2_EOT) if family == "gpt2" else None
-    hist = np.zeros(LENGTH_BINS + 1, dtype=np.int64)
-    pos = sentences = documents = dropped = 0
     in_doc = False
-    pending: list[str] = []
-    # flags per pending line: starts a document / ends one (gpt2 appends <|endoftext|> to the last sentence)
-    starts: list[bool] = []
-    ends: list[bool] = []
     with open(folder / "tokens.bin", "wb") as ft, open(folder / "sentences.bin", "wb") as fs, \
             open(folder / "documents.bin", "wb") as fd, \
             tqdm(total=corpus.stat().st_size, unit="B", unit_scale=True, desc=f"tokenize {family}",
                  disable=not progress) as bar:
-
-        def flush() -> None:
-            nonlocal pos, sentences, documents, dropped
-            texts = [(" " + t if family == "gpt2" and not s else t) for t, s in zip(pending, starts)]
-            ids = tok(texts, add_special_tokens=False)["input_ids"] if texts else []
-            out_tokens: list[np.ndarray] = []
-            out_starts: list[int] = []
-            out_docs: list[int] = []
-            for seq, first, last in zip(ids, starts, ends):
-                if first:
-                    out_docs.append(sentences)
-                    documents += 1
-                if not seq and not (last and eot is not None):
-                    dropped += 1  # nothing the tokenizer keeps (e.g. only control characters)
-                    continue
-                n = len(seq) + (1 if last and eot is not None else 0)
-                out_starts.append(pos)
-                out_tokens.append(np.asarray(seq + ([eot] if last and eot is not None else []), dtype=dtype))
-                hist[min(len(seq), LENGTH_BINS)] += 1
-                pos += n
-                sentences += 1
-            if out_tokens:
-                ft.write(np.concatenate(out_tokens).tobytes())
-            fs.write(np.asarray(out_starts, dtype="<i8").tobytes())
-            fd.write(np.asarray(out_docs, dtype="<i8").tobytes())
-            pending.clear()
-            starts.clear()
-            ends.clear()
-
+        enc = _Encoder(family, tok, dtype, (ft, fs, fd))
         for _, line in _lines(corpus):
             bar.update(len(line.encode("utf-8")))
             text = line.strip()
             if not text:
-                if ends:
-                    ends[-1] = True
+                enc.end_document()
                 in_doc = False
                 continue
-            if len(pending) >= ENCODE_LINES:
-                # the last pending line may still end its document: keep it for the next batch
-                keep = (pending.pop(), starts.pop(), ends.pop())
-                flush()
-                pending.append(keep[0]), starts.append(keep[1]), ends.append(keep[2])
-            pending.append(text)
-            starts.append(not in_doc)
-            ends.append(False)
+            enc.add(text, not in_doc)
             in_doc = True
-        if ends:
-            ends[-1] = True
-        flush()
-        fs.write(np.asarray([pos], dtype="<i8").tobytes())
-        fd.write(np.asarray([sentences], dtype="<i8").tobytes())
+        enc.close()
+    documents = enc.documents
     # documents whose sentences were all dropped would be empty: keep the count honest
     docs = np.fromfile(folder / "documents.bin", dtype="<i8")
     keep = np.diff(docs) > 0
     if not keep.all():
         np.concatenate([docs[:-1][keep], docs[-1:]]).astype("<i8").tofile(folder / "documents.bin")
         documents = int(keep.sum())
+    hist = enc.hist
     last = int(np.nonzero(hist)[0].max()) + 1 if hist.any() else 1
-    return {"tokens": pos, "sentences": sentences, "documents": documents, "dropped_lines": dropped,
+    return {"tokens": enc.pos, "sentences": enc.sentences, "documents": documents, "dropped_lines": enc.dropped,
             "sentence_lengths": hist[:last].tolist()}
 
 

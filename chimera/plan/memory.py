@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from operator import ge, mul
 from typing import Any
 
@@ -113,21 +114,8 @@ class MemoryWalk:
         pairs = schedule.stages_of(w)
         held = [s for _, s in pairs]
         groups = [schedule.stage_group_size(s) for s in held]
-        slot = {ps: k for k, ps in enumerate(pairs)}
         n = len(held)
         zero = (0,) * n
-        unit: dict[tuple[int, int], tuple[int, ...]] = {}  # (stage slot, count) -> that count at that slot
-
-        def at(k: int, c: int) -> tuple[int, ...]:
-            if (k, c) not in unit:
-                unit[(k, c)] = tuple(c if i == k else 0 for i in range(n))
-            return unit[(k, c)]
-
-        def put(vec: tuple[int, ...], k: int, v: int) -> tuple[int, ...]:
-            return tuple(v if i == k else x for i, x in enumerate(vec))
-
-        live = [0] * n
-        grads, flats, saved, waited = zero, zero, zero, zero
         row = schedule.actions[w]
         # post-validated (a row that keeps rollback copies): the previous step's copies and gradients are held from
         # the step's start until its first update takes their verdict (chimera.runtime.post_validate)
@@ -135,67 +123,93 @@ class MemoryWalk:
         leaving = {k for k, spec in SPECS.items() if spec.memory.resident is False}
         evicted = {(a.pipe, a.stage) for a in row if a.kind in leaving}  # start off device
         resident = tuple(int(ps not in evicted) for ps in pairs)
-        # distinct states in the order first seen, keyed by their stash counts and the index of the rest (which
-        # changes rarely: hashing the whole nested state per action was most of the walk)
-        seen: dict[tuple[tuple[int, ...], int], None] = {}
-        rests: dict[tuple[tuple[int, ...], ...], int] = {}
-        rest_of: dict[tuple[Any, ...], int] = {}  # per action shape while grads, flats, resident hold
-        effects = {kind: _effect(kind) for kind in SPECS}
-        # per action shape (kind, pipe, stage, count): its stage slot, activation change and memory effect; None for
-        # an action of no stage (the optimizer step)
-        shapes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}
-        for a in row:  # every kind by its row of the kinds table: its memory effect and activation change
-            shape = (a.kind, a.pipe, a.stage, a.count)
-            info = shapes.get(shape, ())
-            if info == ():
-                k = slot.get((a.pipe, a.stage))
-                e = effects[a.kind]
-                info = shapes[shape] = None if k is None else (k, e[0] * a.count, *e[1:])
-            if info is None:
-                continue
-            k, change, g, flat, res, peak, recompute, out, inn, pack, keep = info
-            if change > 0:
-                live[k] += change
-            if g and not grads[k]:
-                grads = put(grads, k, 1)
-                rest_of = {}
-            if flat and not flats[k]:
-                flats = put(flats, k, 1)
-                rest_of = {}
-            if res and not resident[k]:
-                resident = put(resident, k, 1)
-                rest_of = {}
-            if keep and not saved[k]:
-                saved, carried = put(saved, k, 1), zero
-                rest_of = {}
-            if peak:
-                r = rest_of.get(shape)
-                if r is None:
-                    c = at(k, a.count)
-                    rest = (grads, c if recompute else zero, c if out else zero, c if inn else zero, flats, resident,
-                            saved, waited, carried, at(k, 1) if pack else zero)
-                    r = rest_of[shape] = rests.setdefault(rest, len(rests))
-                seen[(tuple(live), r)] = None
-            if change < 0:
-                live[k] += change
-            if g is False and grads[k]:
-                grads = put(grads, k, 0)
-                rest_of = {}
-            if flat is False and not waited[k]:
-                flats, waited = put(flats, k, 0), put(waited, k, 1)
-                rest_of = {}
-            if res is False and resident[k]:
-                resident = put(resident, k, 0)
-                rest_of = {}
-        by_index = list(rests)
+        seen, by_index, live, grads, resident = _visit(row, {ps: k for k, ps in enumerate(pairs)}, carried, resident)
         # the same set, built from the distinct states in the same order: it iterates alike
         states: set[tuple[tuple[int, ...], ...]] = set()
         for live_at, r in seen:
             states.add((live_at, *by_index[r]))
         if not schedule.lowered:  # the step's end: every stage's gradient sum started (a lowered list says when)
-            states.add((tuple(live), grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident, zero,
+            states.add((live, grads, zero, zero, zero, tuple(int(g > 1) for g in groups), resident, zero,
                         zero, zero, zero))
         return held, groups, _maximal(states)
+
+
+def _put(vec: tuple[int, ...], k: int, v: int) -> tuple[int, ...]:
+    return tuple(v if i == k else x for i, x in enumerate(vec))
+
+
+@lru_cache(maxsize=4096)
+def _at(n: int, k: int, c: int) -> tuple[int, ...]:
+    """``c`` at stage slot ``k`` of ``n``, zero elsewhere."""
+    return tuple(c if i == k else 0 for i in range(n))
+
+
+_State = tuple[tuple[int, ...], ...]
+
+
+def _visit(row: Sequence[Action], slot: Mapping[tuple[str, int], int], carried: tuple[int, ...],
+           resident: tuple[int, ...]) -> tuple[dict[tuple[tuple[int, ...], int], None], list[_State], tuple[int, ...],
+                                               tuple[int, ...], tuple[int, ...]]:
+    """Every action of ``row`` by its row of the kinds table (its memory effect and activation change): the distinct
+    states where the peak can fall, in the order first seen, keyed by their stash counts and the index of the rest
+    in the returned list (which changes rarely: hashing the whole nested state per action was most of the walk);
+    then the stash counts, gradients and residency at the row's end."""
+    n = len(carried)
+    zero = (0,) * n
+    put = _put
+    live = [0] * n
+    grads, flats, saved, waited = zero, zero, zero, zero
+    seen: dict[tuple[tuple[int, ...], int], None] = {}
+    rests: dict[_State, int] = {}
+    rest_of: dict[tuple[Any, ...], int] = {}  # per action shape while grads, flats, resident hold
+    effects = {kind: _effect(kind) for kind in SPECS}
+    # per action shape (kind, pipe, stage, count): its stage slot, activation change and memory effect; None for an
+    # action of no stage (the optimizer step)
+    shapes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}
+    for a in row:
+        shape = (a.kind, a.pipe, a.stage, a.count)
+        info = shapes.get(shape, ())
+        if info == ():
+            k = slot.get((a.pipe, a.stage))
+            e = effects[a.kind]
+            info = shapes[shape] = None if k is None else (k, e[0] * a.count, *e[1:])
+        if info is None:
+            continue
+        k, change, g, flat, res, peak, recompute, out, inn, pack, keep = info
+        if change > 0:
+            live[k] += change
+        if g and not grads[k]:
+            grads = put(grads, k, 1)
+            rest_of = {}
+        if flat and not flats[k]:
+            flats = put(flats, k, 1)
+            rest_of = {}
+        if res and not resident[k]:
+            resident = put(resident, k, 1)
+            rest_of = {}
+        if keep and not saved[k]:
+            saved, carried = put(saved, k, 1), zero
+            rest_of = {}
+        if peak:
+            r = rest_of.get(shape)
+            if r is None:
+                c = _at(n, k, a.count)
+                rest = (grads, c if recompute else zero, c if out else zero, c if inn else zero, flats, resident,
+                        saved, waited, carried, _at(n, k, 1) if pack else zero)
+                r = rest_of[shape] = rests.setdefault(rest, len(rests))
+            seen[(tuple(live), r)] = None
+        if change < 0:
+            live[k] += change
+        if g is False and grads[k]:
+            grads = put(grads, k, 0)
+            rest_of = {}
+        if flat is False and not waited[k]:
+            flats, waited = put(flats, k, 0), put(waited, k, 1)
+            rest_of = {}
+        if res is False and resident[k]:
+            resident = put(resident, k, 0)
+            rest_of = {}
+    return seen, list(rests), tuple(live), grads, resident
 
 
 def _effect(kind: Kind) -> tuple[Any, ...]:
