@@ -35,6 +35,7 @@ from chimera.offload.policy import Offload
 from chimera.plan.partition import layers_of
 from chimera.schedule import ScheduleError, validate
 from chimera.timeline import tensorboard
+from chimera.util.source import source_fingerprint, source_root
 
 __all__ = ["Budget", "ConfigError", "Model", "PartitionDecision", "ScheduleDecision", "choices", "compile_job",
            "default_run_dir", "resolved_config", "run_name", "worker_threads"]
@@ -127,7 +128,8 @@ def _compile(cfg: TrainConfig, chain: LayerChain | None, data: Any, log: Callabl
         stage_layers=part.stage_layers, boundaries=boundaries, unit_size=unit, run=_run_options(cfg, threads),
         offload=verdict.offload, memory_budget=budget.bytes if budget.enforced else None,
         timeline=_timeline(cfg), checkpoint=_checkpoint(cfg), prediction=prediction,
-        decisions=tuple(w for w in (plan_why, decision.why, verdict.why) if w), shards=shards)
+        decisions=tuple(w for w in (plan_why, decision.why, verdict.why) if w), shards=shards,
+        source=(source_fingerprint(), source_root()))
     return _resume(cfg, job)
 
 

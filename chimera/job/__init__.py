@@ -160,6 +160,8 @@ class Job:
         prediction: the planner's prediction when it planned; decisions: what the compiler chose and why.
         resume: the checkpoint the workers start from.
         shards: which rank keeps each parameter's optimizer state (``--shard-optimizer``), or None (every replica).
+        source: the fingerprint and source root of the chimera that compiled the job
+            (:mod:`chimera.util.source`), which every worker checks against its own before it starts; None: unchecked.
     """
 
     name: str
@@ -180,6 +182,7 @@ class Job:
     decisions: tuple[str, ...] = ()
     resume: ResumePoint | None = None
     shards: OptimizerShards | None = None
+    source: tuple[str, str] | None = None
 
     @property
     def first_step(self) -> int:

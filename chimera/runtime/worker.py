@@ -44,6 +44,7 @@ from chimera.schedule import Action, Kind
 from chimera.timeline import Event
 from chimera.timeline.recorder import EventRecorder
 from chimera.util.host_memory import StepCollector, keep_freed_memory
+from chimera.util.source import check_same_source
 
 
 @dataclass
@@ -89,6 +90,7 @@ class PipelineWorker:
 
     def setup(self) -> dict[str, Any]:
         """Join the process group; build the communicator, stage replicas, handlers and executor."""
+        check_same_source(self.job.source, self.name)
         t, sched = self.run, self.job.schedule
         if t.device == "cuda":
             if not torch.cuda.is_available():

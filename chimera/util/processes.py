@@ -9,10 +9,13 @@ measuring processes start the same way (well under a second each, torch and the 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import sys
 import time
 from collections.abc import Iterator
+from multiprocessing import forkserver
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -23,10 +26,29 @@ PRELOAD = ["torch", "chimera.runtime.worker", "chimera.models.bert", "chimera.mo
 
 def forkserver_context() -> Any:
     """A forkserver that has imported torch, chimera and the transformer presets once (several seconds), so that
-    workers start in well under a second."""
+    workers start in well under a second; its chimera is this process's (:func:`_start_forkserver`)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    _start_forkserver()
     return ctx
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver (if it is not running) with this process's chimera first on its path.
+
+    Python 3.11's forkserver imports its preload modules before it takes this process's ``sys.path``: from its own
+    working directory and site-packages. A driver that imported chimera from a checkout while another copy is
+    installed would fork every worker from the installed one."""
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding the chimera package
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = root if not old else os.pathsep.join([root, old])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 @contextlib.contextmanager

@@ -1,0 +1,48 @@
+"""Which chimera a process runs: a fingerprint of the package's Python sources, so that a worker can refuse a job
+compiled by another version of the code (a driver run from one checkout, its workers importing an installed
+copy) instead of training with it::
+
+    from chimera.util.source import source_fingerprint, source_root
+
+    source_fingerprint()   # e.g. "65e2ca1a8255..." (sha256 over every chimera/**/*.py, by relative path)
+    source_root()          # the directory that holds the chimera package this process imported
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def source_root() -> str:
+    """The directory holding the ``chimera`` package this process imported (what ``sys.path`` needs to find it)."""
+    return str(_PACKAGE.parent)
+
+
+@lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """sha256 over every ``.py`` file of the imported ``chimera`` package, in order of relative path (a few ms,
+    once per process). Equal for two copies of the same code wherever they sit (a node's copy shipped by Ray)."""
+    h = hashlib.sha256()
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        h.update(path.relative_to(_PACKAGE).as_posix().encode())
+        h.update(b"\0")
+        h.update(path.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def check_same_source(compiled: tuple[str, str] | None, who: str) -> None:
+    """Raise RuntimeError where ``compiled`` (the fingerprint and source root of the chimera that compiled a job;
+    None: not recorded) is not the code this process runs, saying where each came from and how to align them."""
+    if compiled is None or compiled[0] == source_fingerprint():
+        return
+    fingerprint, root = compiled
+    raise RuntimeError(
+        f"{who} runs chimera from {source_root()} (sources {source_fingerprint()[:12]}), but the job was compiled by "
+        f"chimera from {root} (sources {fingerprint[:12]}): the driver and its workers must run the same code. "
+        "Install the driver's checkout where the workers import from (pip install --no-deps -e <checkout>), or, on "
+        "Ray, pass --ship-code to send it to them")

@@ -1,0 +1,78 @@
+"""Driver and workers run the same chimera: local workers fork from a forkserver that imported the driver's copy,
+and a worker refuses a job compiled by other code, before it joins the process group."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import chimera
+from chimera.compile import compile_job
+from chimera.config import TrainConfig
+from chimera.runtime import WorkerError, run_local
+from chimera.util.source import source_fingerprint, source_root
+
+ROOT = Path(chimera.__file__).resolve().parents[1]
+
+CHILD = """
+import sys
+sys.path.insert(0, {alt!r})
+import chimera
+from chimera.util.processes import forkserver_context
+
+
+def child(q):
+    import chimera.runtime.worker as w
+    q.put(w.__file__)
+
+
+if __name__ == "__main__":
+    ctx = forkserver_context()
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    print(chimera.__file__)
+    print(q.get(timeout=120))
+    p.join()
+"""
+
+
+def test_local_workers_import_the_drivers_chimera_when_another_copy_is_installed(tmp_path: Path) -> None:
+    # a second copy of the package, imported by a driver run from elsewhere; the repository's copy stays installed
+    alt = tmp_path / "alt"
+    shutil.copytree(ROOT / "chimera", alt / "chimera", ignore=shutil.ignore_patterns("__pycache__", "sample"))
+    script = tmp_path / "run.py"
+    script.write_text(CHILD.format(alt=str(alt)))
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    driver, worker = out.stdout.split()[-2:]
+    assert driver.startswith(str(alt)), driver
+    assert worker.startswith(str(alt)), f"the worker forked from another chimera: {worker}"
+
+
+def test_a_worker_refuses_a_job_compiled_by_other_code_before_it_starts() -> None:
+    job = compile_job(TrainConfig.from_flags(model="bert-tiny", stages=2, micro_batches=2, steps=1,
+                                             partition="uniform", corpus="synthetic"))
+    assert job.source == (source_fingerprint(), source_root())
+    other = dataclasses.replace(job, source=("0" * 64, "/elsewhere"))
+    with pytest.raises(WorkerError, match=r"runs chimera from .* but the job was compiled by chimera from /elsewhere "
+                                          r"\(sources 000000000000\).*the same code"):
+        run_local(other)
+    assert len(run_local(job).metrics) == 1  # the same code: it trains
+
+
+def test_the_fingerprint_follows_the_sources(tmp_path: Path) -> None:
+    pkg = tmp_path / "chimera"
+    shutil.copytree(ROOT / "chimera", pkg, ignore=shutil.ignore_patterns("__pycache__", "sample"))
+    probe = ("import sys; sys.path.insert(0, {!r}); from chimera.util.source import source_fingerprint; "
+             "print(source_fingerprint())")
+    run = lambda: subprocess.run([sys.executable, "-c", probe.format(str(tmp_path))], cwd=tmp_path,  # noqa: E731
+                                 capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    before = run()
+    (pkg / "schedule" / "ir.py").write_text((pkg / "schedule" / "ir.py").read_text() + "\n# changed\n")
+    assert run() != before
