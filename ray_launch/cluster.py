@@ -87,11 +87,18 @@ def job_runtime_env(launch: LaunchConfig) -> dict[str, Any] | None:
 
 
 def worker_env(launch: LaunchConfig, local: bool = False) -> dict[str, str]:
-    """Environment of the workers: the driver's NCCL_*/GLOO_* variables and ``--env``; a ``local`` run's gloo
-    uses the loopback interface unless GLOO_SOCKET_IFNAME is set (``ray_launch.rendezvous``)."""
+    """Environment of the workers: the driver's NCCL_*/GLOO_* variables and ``--env``. A ``local`` run's gloo
+    uses the loopback interface unless GLOO_SOCKET_IFNAME is set (``ray_launch.rendezvous``), and its workers import
+    the driver's chimera and ray_launch (their directories first on PYTHONPATH, unless ``--env`` sets it): a driver
+    run from one checkout would otherwise start actors from whatever copy is installed."""
     env = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_"))}
     env.update(e.split("=", 1) for e in launch.env)
-    return keep_on_loopback(env) if local else env
+    if not local:
+        return env
+    if "PYTHONPATH" not in env:
+        roots = dict.fromkeys(str(Path(m.__file__).resolve().parents[1]) for m in (chimera, ray_launch))
+        env["PYTHONPATH"] = os.pathsep.join([*roots, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return keep_on_loopback(env)
 
 
 def reserve(world: int, bundle: dict[str, float], launch: LaunchConfig, workers: int, log: Any

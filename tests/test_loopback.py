@@ -63,6 +63,18 @@ def test_local_workers_use_the_loopback_interface_unless_told(monkeypatch):
     assert worker_env(LaunchConfig(), local=True)["GLOO_SOCKET_IFNAME"] == "eth2"
 
 
+def test_local_workers_import_the_drivers_packages_first(monkeypatch):
+    import chimera
+    import ray_launch
+
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    roots = {str(Path(m.__file__).resolve().parents[1]) for m in (chimera, ray_launch)}
+    path = worker_env(LaunchConfig(), local=True)["PYTHONPATH"].split(os.pathsep)
+    assert set(path[:len(roots)]) == roots and path[-1] == "/somewhere"
+    assert "PYTHONPATH" not in worker_env(LaunchConfig(), local=False)  # other nodes: --ship-code
+    assert worker_env(LaunchConfig(env=("PYTHONPATH=/mine",)), local=True)["PYTHONPATH"] == "/mine"
+
+
 def test_start_ray_head_on_loopback_and_shutdown_stops_all_of_it(tmp_path):
     tag = uuid.uuid4().hex
     env = head_env(tmp_path, tag)

@@ -4,9 +4,11 @@ and a worker refuses a job compiled by other code, before it joins the process g
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,26 @@ def test_the_fingerprint_follows_the_sources(tmp_path: Path) -> None:
     before = run()
     (pkg / "schedule" / "ir.py").write_text((pkg / "schedule" / "ir.py").read_text() + "\n# changed\n")
     assert run() != before
+
+
+def test_a_driver_run_from_another_checkout_trains_on_local_ray_with_its_own_code(tmp_path: Path) -> None:
+    """Local Ray actors import the driver's chimera (PYTHONPATH in their environment), not the installed copy; the
+    workers' source check would refuse the job otherwise."""
+    alt = tmp_path / "alt"
+    for pkg in ("chimera", "ray_launch", "scripts"):
+        shutil.copytree(ROOT / pkg, alt / pkg, ignore=shutil.ignore_patterns("__pycache__", "sample"))
+    marker = alt / "chimera" / "schedule" / "ir.py"
+    marker.write_text(marker.read_text() + "\n# another copy\n")  # other sources: other fingerprint
+    ray_tmp = tempfile.mkdtemp(prefix="chs-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+    env.pop("PYTHONPATH", None)
+    try:
+        out = subprocess.run([sys.executable, str(alt / "scripts" / "prof_steps_ray.py"), "--model", "bert-tiny",
+                              "--stages", "2", "--micro-batches", "2", "--seq-len", "16", "--steps", "1",
+                              "--partition", "uniform", "--corpus", "synthetic", "--no-progress",
+                              "--run-dir", str(tmp_path / "run")],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "1 steps" in out.stdout  # trained: the workers ran the copy that compiled the job
