@@ -21,6 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 import chimera
 import ray_launch
+from chimera.util.source import path_first
 from ray_launch.config import LaunchConfig
 from ray_launch.placement import PlacementError, assign, cluster_nodes, format_map
 from ray_launch.rendezvous import keep_on_loopback
@@ -95,9 +96,9 @@ def worker_env(launch: LaunchConfig, local: bool = False) -> dict[str, str]:
     env.update(e.split("=", 1) for e in launch.env)
     if not local:
         return env
-    if "PYTHONPATH" not in env:
-        roots = dict.fromkeys(str(Path(m.__file__).resolve().parents[1]) for m in (chimera, ray_launch))
-        env["PYTHONPATH"] = os.pathsep.join([*roots, *filter(None, [os.environ.get("PYTHONPATH")])])
+    path = path_first(Path(chimera.__file__).parent, Path(ray_launch.__file__).parent)
+    if "PYTHONPATH" not in env and path is not None:
+        env["PYTHONPATH"] = path
     return keep_on_loopback(env)
 
 

@@ -17,7 +17,7 @@ import chimera
 from chimera.compile import compile_job
 from chimera.config import TrainConfig
 from chimera.runtime import WorkerError, run_local
-from chimera.util.source import source_fingerprint, source_root
+from chimera.util.source import path_first, source_fingerprint, source_root
 
 ROOT = Path(chimera.__file__).resolve().parents[1]
 
@@ -101,3 +101,11 @@ def test_a_driver_run_from_another_checkout_trains_on_local_ray_with_its_own_cod
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "1 steps" in out.stdout  # trained: the workers ran the copy that compiled the job
+
+
+def test_a_package_in_site_packages_is_not_put_before_the_standard_library(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/theirs")
+    checkout, site = tmp_path / "checkout", tmp_path / "lib" / "site-packages"
+    assert path_first(checkout / "chimera", checkout / "ray_launch", site / "x") == os.pathsep.join(
+        [str(checkout.resolve()), "/theirs"])
+    assert path_first(site / "chimera", tmp_path / "dist-packages" / "ray_launch") is None

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from chimera.util.source import path_first
+
 #: imported once by the forkserver (names, not imports: this module stays below everything it preloads)
 PRELOAD = ["torch", "chimera.runtime.worker", "chimera.models.bert", "chimera.models.gpt2"]
 
@@ -39,9 +41,10 @@ def _start_forkserver() -> None:
     Python 3.11's forkserver imports its preload modules before it takes this process's ``sys.path``: from its own
     working directory and site-packages. A driver that imported chimera from a checkout while another copy is
     installed would fork every worker from the installed one."""
-    root = str(Path(__file__).resolve().parents[2])  # the directory holding the chimera package
+    path = path_first(Path(__file__).resolve().parents[1])  # the chimera package
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = root if not old else os.pathsep.join([root, old])
+    if path is not None:
+        os.environ["PYTHONPATH"] = path
     try:
         forkserver.ensure_running()
     finally:

@@ -11,6 +11,7 @@ copy) instead of training with it::
 from __future__ import annotations
 
 import hashlib
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -20,6 +21,18 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 def source_root() -> str:
     """The directory holding the ``chimera`` package this process imported (what ``sys.path`` needs to find it)."""
     return str(_PACKAGE.parent)
+
+
+def path_first(*packages: str | Path) -> str | None:
+    """A ``PYTHONPATH`` that puts the directories holding ``packages`` (package directories, e.g.
+    ``Path(chimera.__file__).parent``) before the caller's own ``PYTHONPATH``, so that a child process imports the
+    copies this one did; None where none needs it: a package installed into site-packages is what a fresh
+    interpreter finds anyway, and putting site-packages first would shadow the standard library."""
+    roots = [str(Path(p).resolve().parent) for p in packages]
+    roots = [r for r in dict.fromkeys(roots) if Path(r).name not in ("site-packages", "dist-packages")]
+    if not roots:
+        return None
+    return os.pathsep.join([*roots, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 @lru_cache(maxsize=1)
