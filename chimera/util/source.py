@@ -6,6 +6,10 @@ copy) instead of training with it::
 
     source_fingerprint()   # e.g. "65e2ca1a8255..." (sha256 over every chimera/**/*.py, by relative path)
     source_root()          # the directory that holds the chimera package this process imported
+
+A compiled ``Job`` carries both (``Job.source``); :func:`check_same_source` is the worker's check. Local workers
+are started so that they import the driver's copy in the first place: :func:`path_first` is the ``PYTHONPATH`` the
+forkserver (:mod:`chimera.util.processes`) and local Ray actors (``ray_launch.cluster.worker_env``) start with.
 """
 
 from __future__ import annotations
