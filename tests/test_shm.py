@@ -228,7 +228,8 @@ def _background(rank: int, chans: ShmChannels) -> Any:
         assert any(not w.done for w in works)
         ack = torch.zeros(1)
         dist.irecv(ack, 1).wait(timedelta(seconds=20))
-        return all(w.done for w in works)
+        with works[-1].channel.lock:  # the flusher marks a send done under this lock, right after writing it
+            return all(w.done for w in works)
     time.sleep(0.3)
     bufs = [torch.empty(n) for n in sizes]
     for w in [chans.post("pipe down", 0, False, b) for b in bufs]:
