@@ -26,6 +26,9 @@ from ray_launch.config import LaunchConfig
 from ray_launch.placement import PlacementError, assign, cluster_nodes, format_map
 from ray_launch.rendezvous import keep_on_loopback
 
+#: the packages a worker imports from the driver's copy: shipped to other nodes, first on local workers' path
+OUR_PACKAGES = (Path(chimera.__file__).parent, Path(ray_launch.__file__).parent)
+
 
 class RunError(RuntimeError):
     """The run failed; the message names the worker and what it was doing."""
@@ -82,7 +85,7 @@ def job_runtime_env(launch: LaunchConfig) -> dict[str, Any] | None:
     """Ship chimera's packages to every node (``py_modules``) when joining a cluster, unless told not to, and the
     user's own modules (``--py-modules``: what ``--chain`` imports) always."""
     ship = launch.ship_code if launch.ship_code is not None else bool(launch.address)
-    ours = [str(Path(chimera.__file__).parent), str(Path(ray_launch.__file__).parent)] if ship else []
+    ours = [str(d) for d in OUR_PACKAGES] if ship else []
     modules = ours + [str(Path(m).resolve()) for m in launch.py_modules]
     return {"py_modules": modules} if modules else None
 
@@ -96,7 +99,7 @@ def worker_env(launch: LaunchConfig, local: bool = False) -> dict[str, str]:
     env.update(e.split("=", 1) for e in launch.env)
     if not local:
         return env
-    path = path_first(Path(chimera.__file__).parent, Path(ray_launch.__file__).parent)
+    path = path_first(*OUR_PACKAGES)
     if "PYTHONPATH" not in env and path is not None:
         env["PYTHONPATH"] = path
     return keep_on_loopback(env)

@@ -15,12 +15,11 @@ import sys
 import time
 from collections.abc import Iterator
 from multiprocessing import forkserver
-from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
-from chimera.util.source import path_first
+from chimera.util.source import PACKAGE_DIR, path_first
 
 #: imported once by the forkserver (names, not imports: this module stays below everything it preloads)
 PRELOAD = ["torch", "chimera.runtime.worker", "chimera.models.bert", "chimera.models.gpt2"]
@@ -41,7 +40,7 @@ def _start_forkserver() -> None:
     Python 3.11's forkserver imports its preload modules before it takes this process's ``sys.path``: from its own
     working directory and site-packages. A driver that imported chimera from a checkout while another copy is
     installed would fork every worker from the installed one."""
-    path = path_first(Path(__file__).resolve().parents[1])  # the chimera package
+    path = path_first(PACKAGE_DIR)
     old = os.environ.get("PYTHONPATH")
     if path is not None:
         os.environ["PYTHONPATH"] = path

@@ -19,12 +19,13 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-_PACKAGE = Path(__file__).resolve().parents[1]
+#: the directory of the chimera package this process imported
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
 def source_root() -> str:
     """The directory holding the ``chimera`` package this process imported (what ``sys.path`` needs to find it)."""
-    return str(_PACKAGE.parent)
+    return str(PACKAGE_DIR.parent)
 
 
 def path_first(*packages: str | Path) -> str | None:
@@ -44,8 +45,8 @@ def source_fingerprint() -> str:
     """sha256 over every ``.py`` file of the imported ``chimera`` package, in order of relative path (a few ms,
     once per process). Equal for two copies of the same code wherever they sit (a node's copy shipped by Ray)."""
     h = hashlib.sha256()
-    for path in sorted(_PACKAGE.rglob("*.py")):
-        h.update(path.relative_to(_PACKAGE).as_posix().encode())
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        h.update(path.relative_to(PACKAGE_DIR).as_posix().encode())
         h.update(b"\0")
         h.update(path.read_bytes())
         h.update(b"\0")
