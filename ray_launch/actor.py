@@ -57,6 +57,11 @@ class WorkerActor:
         assert self.worker is not None, "setup() first"
         return [self.worker.train_step(s) for s in steps]
 
+    def drain(self) -> dict[int, tuple[float, str]]:
+        """``--post-validate``: take the verdict of the step in flight now (every rank at once); those taken."""
+        assert self.worker is not None, "setup() first"
+        return self.worker.drain()
+
     def checkpoint(self, step: int) -> str:
         """Write a checkpoint of the state after ``step`` now (every rank at once); its directory."""
         assert self.worker is not None, "setup() first"

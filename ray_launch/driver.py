@@ -33,7 +33,7 @@ from chimera.job import Job
 from chimera.runtime import Verdicts, summarize_step
 from chimera.runtime.comm import StallError
 from chimera.runtime.hang import hang_report
-from chimera.runtime.launch import WorkerError
+from chimera.runtime.launch import WorkerError, agreed_verdicts
 from ray_launch.actor import WorkerActor
 from ray_launch.cluster import RunError, connect, reserve, worker_env
 from ray_launch.config import LaunchConfig
@@ -321,9 +321,23 @@ class RayJob:
         return "what every worker waits on (>..< on the grid):\n" + "\n".join(grids)
 
     def step(self, step: int) -> dict[str, Any]:
-        """Run one step on every worker; return the metrics record. With ``--post-validate`` a step's verdict comes
-        with a later step's record (its ``_verdicts``); :meth:`steps` pairs them."""
-        return self.collect(step, self.submit(step))
+        """Run one step on every worker; return its metrics record. With ``--post-validate`` the workers take the
+        step's verdict at its end (:meth:`drain`), so the record is complete but the step does not overlap the next
+        one; :meth:`steps` overlaps them."""
+        record = self.collect(step, self.submit(step))
+        verdicts = Verdicts(self.job)
+        done = verdicts.add(record, record) or verdicts.settle(self.drain())
+        if not done:
+            raise RunError(f"step {step}: the workers drained without its verdict")
+        return done[0]
+
+    def drain(self) -> dict[int, tuple[float, str]]:
+        """``--post-validate``: every worker takes the verdict of its step in flight now (none runs after it); the
+        verdicts taken, by step ({} without post-validation)."""
+        if not self.job.run.post_validate:
+            return {}
+        refs = [a.drain.remote() for a in self.actors]
+        return agreed_verdicts(_gather(refs, "the last step's verdict", self.job.run.timeout_s + 60))
 
     def steps(self, steps: Iterable[int], ahead: int = 1, stop: Callable[[], bool] | None = None, per_call: int = 1
               ) -> Iterator[dict[str, Any]]:
@@ -361,6 +375,8 @@ class RayJob:
                     yield from collect(*queued.popleft())
             while queued:
                 yield from collect(*queued.popleft())
+            if verdicts.held:  # the last step ran stopped early or short of the run's end: take its verdict now
+                yield from verdicts.settle(self.drain())
             yield from verdicts.rest()
         except Exception:
             # the steps queued behind a failed one fail too: read their errors, or Ray logs each as unhandled

@@ -271,16 +271,19 @@ def test_a_checkpoint_mid_run_holds_validated_weights(tmp_path):
 @pytest.mark.ray
 def test_post_validated_steps_on_ray_hold_each_record_until_its_verdict(ray_session):
     """Under Ray the driver queues steps on the actors; a step's record waits for the verdict its next step takes
-    (kept, redone, skipped) and comes out in step order with its norm, as sequential training gives them."""
+    (kept, redone, skipped) and comes out in step order with its norm, as sequential training gives them. Steps
+    stopped short of the run's end take their last verdict by draining, and so does a step run alone."""
     from ray_launch.driver import RayJob
 
     cfg = MIXED["chimera-D2-lamb"]
     job = compile_job(cfg)
     with RayJob(job) as ray_job:
-        records = list(ray_job.steps(range(cfg.training.steps), ahead=1, per_call=2))
+        records = list(ray_job.steps(range(3), ahead=1, per_call=2))
+        records += [ray_job.step(s) for s in range(3, cfg.training.steps)]
     ref = train_sequential(job)
     assert [r["step"] for r in records] == list(range(cfg.training.steps))
-    assert {"kept", "redone"} <= {r["update"] for r in records}
+    assert {"kept", "redone"} <= {r["update"] for r in records} <= {"kept", "redone"}
+    assert not any("_verdicts" in r for r in records)
     for r, loss, norm in zip(records, ref.losses, ref.grad_norms):
         assert abs(r["loss"] - loss) <= 1e-6 and abs(r["grad_norm"] - norm) <= 1e-5 * max(1.0, norm), r
 

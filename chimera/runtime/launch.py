@@ -17,7 +17,7 @@ import contextlib
 import io
 import tempfile
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,16 +81,16 @@ def summarize_step(job: Job, results: list[StepResult]) -> dict[str, Any]:
         **({"checkpoint": str(step_dir(job.checkpoint.dir, results[0].step + 1))}
            if job.checkpoint.dir and due(results[0].step, job.checkpoint.every, job.run.steps) else {}),
         "gc_s": max(r.gc_s for r in results),
-        **({"_verdicts": _agreed_verdicts(results), "repeated": max(r.repeated for r in results)}
+        **({"_verdicts": agreed_verdicts(r.verdicts for r in results), "repeated": max(r.repeated for r in results)}
            if job.run.post_validate else {}),
     }
 
 
-def _agreed_verdicts(results: list[StepResult]) -> dict[int, tuple[float, str]]:
+def agreed_verdicts(per_worker: Iterable[dict[int, tuple[float, str]]]) -> dict[int, tuple[float, str]]:
     """The verdicts the workers took in one call, by step (one global norm: they agree)."""
     out: dict[int, tuple[float, str]] = {}
-    for r in results:
-        for step, (norm, outcome) in r.verdicts.items():
+    for verdicts in per_worker:
+        for step, (norm, outcome) in verdicts.items():
             seen = out.setdefault(step, (norm, outcome))
             if seen[1] != outcome:
                 raise WorkerError(f"step {step}: the workers' post-validations disagree ({seen[1]}, {outcome})")
@@ -114,6 +114,14 @@ class Verdicts:
             return [item]
         self.known.update(record.pop("_verdicts", {}))
         self.held[record["step"]] = (record, item)
+        return self._release()
+
+    def settle(self, verdicts: dict[int, tuple[float, str]]) -> list[Any]:
+        """Take verdicts that came without a step (the workers drained); return the items now complete."""
+        self.known.update(verdicts)
+        return self._release()
+
+    def _release(self) -> list[Any]:
         out = []
         for step in sorted(self.held):
             if step not in self.known:

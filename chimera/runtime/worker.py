@@ -216,6 +216,15 @@ class PipelineWorker:
             self.post.drain()
         return self.checkpoints.save_now(step)
 
+    def drain(self) -> dict[int, tuple[float, str]]:
+        """``--post-validate``: take the verdict of the step in flight now, on every rank at once (one allreduce), so
+        that nothing of it stays pending; the verdicts taken since the last step's result, by step ({} without
+        post-validation). A launcher running one step alone calls it to complete that step's record."""
+        if self.post is None:
+            return {}
+        self.post.drain()
+        return self.post.taken()
+
     def _checkpoint_due(self, step: int) -> bool:
         return self.checkpoints is not None and self.checkpoints.due(step)
 
