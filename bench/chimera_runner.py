@@ -16,6 +16,8 @@ from typing import Any
 from bench.workloads import Workload
 from chimera.compile import compile_job
 from chimera.config import TrainConfig
+from chimera.job import Job
+from chimera.runtime.launch import LocalResult
 from chimera.schedule.registry import get as schedule_spec
 from ray_launch.config import LaunchConfig
 from ray_launch.driver import RayJob
@@ -47,6 +49,16 @@ def row_p2p(name: str) -> tuple[str, str]:
     if p2p not in ("", "gloo"):
         raise SystemExit(f"--schedules {name}: after '@' only 'gloo' (chimera's messages through gloo), got {p2p!r}")
     return base, p2p or "auto"
+
+
+def run_on_ray(job: Job) -> LocalResult:
+    """Run ``job`` on the running Ray session as the rows run (one actor per worker, every step back to back in one
+    call on each actor, as a row's timed steps run); its records and the events it recorded: the calibration's
+    launcher (:meth:`bench.predict.Calibration.measure`)."""
+    with RayJob(job, LaunchConfig(connect_timeout_s=300.0), log=lambda msg: None) as ray_job:
+        records = list(ray_job.steps(range(job.run.steps), ahead=0, per_call=job.run.steps))
+    events = [e for rec in records for res in rec.pop("_results") for e in res.events]
+    return LocalResult(records, events)
 
 
 class ChimeraRow:

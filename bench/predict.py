@@ -26,17 +26,24 @@ than about the schedule.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from bench.workloads import Workload
 from chimera.calibrate import sleeps
+from chimera.job import Job
 from chimera.plan.costs import per_step
+from chimera.runtime.launch import LocalResult
 from chimera.schedule import Costs, Schedule, build_schedule, simulate
 from chimera.schedule.steps import period
 
 #: the longest sleep the calibration runs with: the cost of waking from a sleep levels off by ~10 ms (0.54-0.67 ms
 #: per action at 10 ms, 0.62-0.70 at 25 ms, 0.15-0.19 never sleeping), and longer sleeps only lengthen it
 SLEEP_CAP_S = 0.01
+#: steps of each calibration run (1F1B whole and split): the first half after the warm-up record their actions, the
+#: rest are timed for the per-step remainder. At tf = 2 ms, D = 4, N = 8 a step varies by ±2 ms from one to the next:
+#: 12 steps (3 timed) gave remainders 2.4-6.3 ms from run to run, 24 (9 timed) 5.4-5.6 ms
+CALIBRATION_STEPS = 24
 
 
 def delay_costs(tf: float, stages: int) -> Costs:
@@ -55,16 +62,18 @@ class Calibration:
     step_s: float = 0.0  # what a step costs beyond its actions (charged to its optimizer step)
 
     @staticmethod
-    def measure(workers: int, tf: float = 0.0) -> Calibration:
+    def measure(workers: int, tf: float = 0.0, steps: int = CALIBRATION_STEPS,
+                launch: Callable[[Job], LocalResult] | None = None) -> Calibration:
         """Measured with the delay model sleeping like the rows' actions (``tf`` per block, at most
         :data:`SLEEP_CAP_S`): a worker that sleeps pays more per action than one that never does
-        (:mod:`chimera.calibrate`)."""
+        (:mod:`chimera.calibrate`); ``steps`` per calibration run (:data:`CALIBRATION_STEPS`), each run by ``launch``
+        (the rows' launcher; default: local processes)."""
         from chimera.calibrate import measure_runtime, step_remainder
         from chimera.profile.comm import measure_comm_local
 
         sleep = min(tf, SLEEP_CAP_S)
         p2p = measure_comm_local(2, sizes=(512,), reps=200).p2p.latency_s
-        fixed, runs = measure_runtime(workers, sleep_s=sleep)
+        fixed, runs = measure_runtime(workers, steps=steps, sleep_s=sleep, launch=launch)
         c = Calibration(p2p, tuple(fixed.items()))
         # the calibration runs' steps beyond their simulation with these costs: the per-step remainder
         return replace(c, step_s=step_remainder(runs, lambda s: c.costs(sleep, s)))

@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from bench.chimera_runner import ChimeraRow, peak_rss_mib, row_p2p  # noqa: E402
-from bench.predict import Calibration, predicted_step_s  # noqa: E402
+from bench.chimera_runner import ChimeraRow, peak_rss_mib, row_p2p, run_on_ray  # noqa: E402
+from bench.predict import CALIBRATION_STEPS, Calibration, predicted_step_s  # noqa: E402
 from bench.report import format_table, targets, write_results  # noqa: E402
 from bench.torchpp_runner import TORCH_SCHEDULES, TorchPPGroup  # noqa: E402
 from bench.workloads import WORKLOADS, Workload  # noqa: E402
@@ -53,6 +53,7 @@ from chimera.schedule.registry import get as schedule_spec  # noqa: E402
 
 CHIMERA_SCHEDULES = ["chimera", "1f1b", "gpipe", "auto"]
 RUN = 5  # consecutive steps timed per row and repetition (after one untimed step): --run-steps
+QUICK_CALIBRATION_STEPS = 12  # --quick: steps per calibration run (a noisier per-step remainder, half the time)
 
 
 def steps_per_rep(run: int) -> int:
@@ -88,10 +89,11 @@ def rows_of(w: Workload, only: set[str] | None = None) -> list[dict[str, Any]]:
 
 
 def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] | None = None,
-                 calibrate: bool = False, run: int = RUN) -> tuple[list[dict[str, Any]], Calibration | None]:
+                 calibrate: bool = False, run: int = RUN, calibration_steps: int = CALIBRATION_STEPS
+                 ) -> tuple[list[dict[str, Any]], Calibration | None]:
     """Start both systems for ``w``, alternate steps over the rows, return the rows with their times and, with
     ``calibrate`` (a delay workload), the runtime's costs measured for ``w`` once its rows are up
-    (:func:`calibrate_for`)."""
+    (:func:`calibrate_for`, ``calibration_steps`` per calibration run)."""
     rows = rows_of(w, only)
     live = [r for r in rows if not r["note"]]
     torch_names = [r["schedule"] for r in live if r["system"] == "torch.pp"]
@@ -114,7 +116,7 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
         runners: dict[tuple[str, str], Any] = {("torch.pp", n): group for n in torch_names}
         runners.update({("chimera", n): c for n, c in chimera_rows.items()})
         log(f"  {w.name}: started {len(live)} rows in {time.perf_counter() - t_start:.1f} s")
-        calibration = calibrate_for(w, log) if calibrate and w.is_delay else None
+        calibration = calibrate_for(w, log, calibration_steps) if calibrate and w.is_delay else None
         alternate(live, runners, reps, warmup, run=run)
         for r in live:
             runner = runners[(r["system"], r["schedule"])]
@@ -132,13 +134,14 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
     return rows, calibration
 
 
-def calibrate_for(w: Workload, log: Any) -> Calibration:
+def calibrate_for(w: Workload, log: Any, steps: int = CALIBRATION_STEPS) -> Calibration:
     """The runtime's costs for delay workload ``w`` (its D workers, sleeping like its actions), measured while its
     rows' processes are up and idle, as they are while any one row runs: the idle actors' own wake-ups and
     threads (56 of them for seven rows at D = 8) load the two cores the rows run on, and a calibration taken before
-    they start misses that."""
+    they start misses that. Its jobs run on Ray as the rows do (:func:`~bench.chimera_runner.run_on_ray`): a Ray
+    actor's step costs more than a local process's (~4 ms of ~83 at tf = 2 ms on the development machine)."""
     t0 = time.perf_counter()
-    calibration = Calibration.measure(w.stages, float(w.tf or 0.0))
+    calibration = Calibration.measure(w.stages, float(w.tf or 0.0), steps, launch=run_on_ray)
     log(f"  {w.name}: calibration in {time.perf_counter() - t0:.1f} s: {calibration.text()}")
     return calibration
 
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     rows_per = len({*CHIMERA_SCHEDULES, *((only or set()) - set(TORCH_SCHEDULES))})
-    cpus = rows_per * max(w.stages for w in workloads) + 2  # one CPU slot per chimera worker
+    cpus = (rows_per + 1) * max(w.stages for w in workloads) + 2  # one CPU slot per chimera worker, the calibration's
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False)
     all_rows: list[dict[str, Any]] = []
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         for w in workloads:
-            rows, calibration = run_workload(w, reps, warmup, log, only, not args.no_calibrate, args.run_steps)
+            rows, calibration = run_workload(w, reps, warmup, log, only, not args.no_calibrate, args.run_steps,
+                                             QUICK_CALIBRATION_STEPS if args.quick else CALIBRATION_STEPS)
             finish(rows, w)
             all_rows.extend(rows)
             if calibration is not None:

@@ -27,8 +27,13 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from chimera.schedule import Action, Costs, Kind, Schedule
+
+if TYPE_CHECKING:
+    from chimera.job import Job
+    from chimera.runtime.launch import LocalResult
 
 #: the kinds measured: the compute kinds of a whole and a split backward
 KINDS = ("F", "B", "I", "W")
@@ -43,12 +48,15 @@ def measure_action_costs(workers: int = 2, steps: int = 12, skip: int = 4, micro
 
 
 def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batches: int | None = None,
-                    device: str = "cpu", sleep_s: float = 0.0) -> tuple[dict[str, float], list[tuple[Schedule, float]]]:
+                    device: str = "cpu", sleep_s: float = 0.0, launch: Callable[[Job], LocalResult] | None = None
+                    ) -> tuple[dict[str, float], list[tuple[Schedule, float]]]:
     """:func:`measure_action_costs`, and per job run (1F1B whole and split) its lowered schedule and the median
     seconds of its last steps, which record nothing and follow a step that recorded nothing (a recording step runs
     slower, and consecutive steps overlap: the one after it starts late): what a step costs beyond its actions (and
     their sleeps, :func:`sleeps`) is what those steps take beyond their simulation. Steps ``skip`` to ``skip + (steps
-    - skip) // 2 - 1`` record their actions, one more is left out, the rest are timed."""
+    - skip) // 2 - 1`` record their actions, one more is left out, the rest are timed. ``launch`` runs each job and
+    returns its records and events (default :func:`~chimera.runtime.run_local`): measure on the launcher whose steps
+    are to be predicted (a Ray actor's step costs more than a local process's)."""
     from chimera.compile import compile_job
     from chimera.config import TrainConfig
     from chimera.runtime.launch import run_local
@@ -69,7 +77,7 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
                                      threads=1, device=device, corpus="synthetic", partition="uniform", profile=True,
                                      profile_steps=recorded)
         job = compile_job(cfg)
-        result = run_local(job)
+        result = (launch or run_local)(job)
         for e in result.events:
             if e.kind in KINDS:
                 a = Action(Kind(e.kind), e.pipe, e.stage, e.microbatch, e.count)
@@ -98,7 +106,7 @@ def runtime_costs(workers: int, device: str = "cpu", p2p_s: float = 0.0) -> tupl
     ``chimera profile --comm local`` records them (``Profile.actions``, ``Profile.step_s``)."""
     from dataclasses import replace
 
-    fixed, runs = measure_runtime(workers, steps=8, skip=3, device=device)
+    fixed, runs = measure_runtime(workers, steps=16, skip=3, device=device)
 
     def costs(s: Schedule) -> Costs:
         return replace(sleeps(0.0, s.stages), fixed=tuple(fixed.items()), p2p_latency=p2p_s, p2p_busy=p2p_s)

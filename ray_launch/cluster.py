@@ -90,12 +90,21 @@ def job_runtime_env(launch: LaunchConfig) -> dict[str, Any] | None:
     return {"py_modules": modules} if modules else None
 
 
+#: Ray lowers its worker processes' priority to niceness 15 (``RAY_worker_niceness``) so that they yield to its own
+#: daemons; a pipeline worker holds its slot for the whole job and sits on every other worker's critical path, so it
+#: runs at 0, as a torchrun process does and as Ray runs its own job drivers (``--env RAY_worker_niceness=15``
+#: restores Ray's default)
+WORKER_NICENESS = "0"
+
+
 def worker_env(launch: LaunchConfig, local: bool = False) -> dict[str, str]:
-    """Environment of the workers: the driver's NCCL_*/GLOO_* variables and ``--env``. A ``local`` run's gloo
-    uses the loopback interface unless GLOO_SOCKET_IFNAME is set (``ray_launch.rendezvous``), and its workers import
-    the driver's chimera and ray_launch (their directories first on PYTHONPATH, unless ``--env`` sets it): a driver
-    run from one checkout would otherwise start actors from whatever copy is installed."""
+    """Environment of the workers: the driver's NCCL_*/GLOO_* variables, niceness :data:`WORKER_NICENESS`, and
+    ``--env``. A ``local`` run's gloo uses the loopback interface unless GLOO_SOCKET_IFNAME is set
+    (``ray_launch.rendezvous``), and its workers import the driver's chimera and ray_launch (their directories first
+    on PYTHONPATH, unless ``--env`` sets it): a driver run from one checkout would otherwise start actors from
+    whatever copy is installed."""
     env = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_"))}
+    env["RAY_worker_niceness"] = WORKER_NICENESS
     env.update(e.split("=", 1) for e in launch.env)
     if not local:
         return env

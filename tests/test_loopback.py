@@ -75,6 +75,14 @@ def test_local_workers_import_the_drivers_packages_first(monkeypatch):
     assert worker_env(LaunchConfig(env=("PYTHONPATH=/mine",)), local=True)["PYTHONPATH"] == "/mine"
 
 
+def test_workers_run_at_niceness_0_unless_env_says_otherwise():
+    """Ray would start the actors at niceness 15; a pipeline worker runs at 0 (tests/test_ray_runtime.py checks the
+    actors' own priority)."""
+    for local in (True, False):
+        assert worker_env(LaunchConfig(), local=local)["RAY_worker_niceness"] == "0"
+    assert worker_env(LaunchConfig(env=("RAY_worker_niceness=15",)))["RAY_worker_niceness"] == "15"
+
+
 def test_start_ray_head_on_loopback_and_shutdown_stops_all_of_it(tmp_path):
     tag = uuid.uuid4().hex
     env = head_env(tmp_path, tag)

@@ -1,6 +1,7 @@
 """The same worker runtime under Ray actors: parity, failure reporting, clean-up, refusal before start."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -36,6 +37,8 @@ def test_chimera_on_ray_equals_sequential(ray_session, tmp_path):
         records = list(ray_job.steps(range(cfg.training.steps), ahead=1, per_call=3))
         states = ray_job.states()
         nodes = {i["node_id"] for i in ray_job.infos}
+        niceness = [os.getpriority(os.PRIO_PROCESS, i["pid"]) for i in ray_job.infos]  # Ray's default: 15
+    assert niceness == [0] * 4
     ref = train_sequential(job)
     for rec, r in zip(records, ref.losses):
         assert abs(rec["loss"] - r) <= 1e-6
