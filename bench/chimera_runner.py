@@ -51,11 +51,17 @@ def row_p2p(name: str) -> tuple[str, str]:
     return base, p2p or "auto"
 
 
+def quiet_ray_job(job: Job) -> RayJob:
+    """``job`` on the running Ray session, as every chimera row and the calibration start it (a loaded machine may
+    take minutes to start the actors; the driver's own log left out of the benchmark's)."""
+    return RayJob(job, LaunchConfig(connect_timeout_s=300.0), log=lambda msg: None)
+
+
 def run_on_ray(job: Job) -> LocalResult:
     """Run ``job`` on the running Ray session as the rows run (one actor per worker, every step back to back in one
     call on each actor, as a row's timed steps run); its records and the events it recorded: the calibration's
     launcher (:meth:`bench.predict.Calibration.measure`)."""
-    with RayJob(job, LaunchConfig(connect_timeout_s=300.0), log=lambda msg: None) as ray_job:
+    with quiet_ray_job(job) as ray_job:
         records = list(ray_job.steps(range(job.run.steps), ahead=0, per_call=job.run.steps))
     events = [e for rec in records for res in rec.pop("_results") for e in res.events]
     return LocalResult(records, events)
@@ -66,9 +72,7 @@ class ChimeraRow:
 
     def __init__(self, w: Workload, schedule: str, steps: int, options: dict[str, Any] | None = None) -> None:
         base, p2p = row_p2p(schedule)
-        self.job = RayJob(compile_job(chimera_config(w, base, steps, options, p2p)),
-                          LaunchConfig(connect_timeout_s=300.0),
-                          log=lambda msg: None)
+        self.job = quiet_ray_job(compile_job(chimera_config(w, base, steps, options, p2p)))
         self.worker_times: list[float] = []
         choice = next((d for d in self.job.job.decisions if d.startswith("auto: ")), None)  # "auto: <flags>: ..."
         self.label = choice.split(": ")[1] if choice else schedule
