@@ -3,8 +3,10 @@
 Launched as its users launch it: one ``torch.multiprocessing`` process per rank (forkserver with torch
 preloaded), ``init_process_group("gloo")``, one ``PipelineStage`` per local stage built from chimera's own
 layered model, and torch's schedule classes. Every process applies chimera's CPU allocator setting
-(``chimera.util.host_memory.keep_freed_memory``) and its garbage collection (``StepCollector``: the heap
-frozen after set-up, Python's collector after every step, inside its timed window), as chimera's workers do.
+(``chimera.util.host_memory.keep_freed_memory``), its garbage collection (``StepCollector``: the heap
+frozen after set-up, Python's collector after every step, inside its timed window) and its cores (``--cpu-affinity
+auto``: where the ranks fill the machine's cores, each rank pinned to its own, round robin by rank), as chimera's
+workers do.
 One process group hosts every torch schedule of a workload (each with its own stage modules and optimizer)
 and runs steps on command, so repetitions alternate between systems without restarting processes.
 
@@ -36,6 +38,7 @@ from bench.workloads import Workload, input_keys, unpack_target
 from chimera.models import LayerChain, StageModule, build_stage
 from chimera.models.chain import as_tuple, call
 from chimera.optim import build_optimizer
+from chimera.util.cores import core_sets, pin_process, usable_cores
 from chimera.util.host_memory import StepCollector, keep_freed_memory
 
 
@@ -178,6 +181,9 @@ def _worker(w: Workload, names: list[str], rank: int, init: str, cmds: Any, out:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=w.stages,
                                 timeout=timedelta(seconds=300))
+        cores = core_sets(usable_cores(), w.stages, 1)  # chimera's --cpu-affinity auto: its workers' placement
+        if cores is not None:
+            pin_process(cores[rank])
         # new_group is collective: every rank builds every runner in the same order
         runners = {n: _Runner(w, TORCH_SCHEDULES[n], rank) for n in names}
         collector = StepCollector().start()  # Python's collector between steps, as in chimera's workers

@@ -12,6 +12,7 @@ import pytest
 from chimera.compile import compile_job
 from chimera.config import ConfigError, TrainConfig
 from chimera.runtime import stage_params_by_layer, train_sequential
+from chimera.util.cores import core_sets, usable_cores
 from ray_launch.driver import RayJob, RunError
 from ray_launch.recovery import run
 from tests.conftest import alive_actors
@@ -38,7 +39,12 @@ def test_chimera_on_ray_equals_sequential(ray_session, tmp_path):
         states = ray_job.states()
         nodes = {i["node_id"] for i in ray_job.infos}
         niceness = [os.getpriority(os.PRIO_PROCESS, i["pid"]) for i in ray_job.infos]  # Ray's default: 15
+        cores = [os.sched_getaffinity(i["pid"]) for i in ray_job.infos]
+        pinned = [i["cpus"] for i in ray_job.infos]
     assert niceness == [0] * 4
+    sets = core_sets(usable_cores(), 4, job.run.threads)  # --cpu-affinity auto: where 4 workers fill the cores
+    assert pinned == ([sorted(c) for c in sets] if sets else [None] * 4)
+    assert cores == ([set(c) for c in sets] if sets else [set(usable_cores())] * 4)
     ref = train_sequential(job)
     for rec, r in zip(records, ref.losses):
         assert abs(rec["loss"] - r) <= 1e-6

@@ -98,6 +98,10 @@ class TrainingSection:
     p2p: str = option("auto", "how activations and gradients move between CPU workers: auto (through shared memory "
                       "between processes on one Linux x86-64 host, messages up to 256 KiB; gloo otherwise) or gloo "
                       "(always gloo's TCP)", choices=("auto", "gloo"))
+    cpu_affinity: str = option("auto", "CPU workers: auto pins each worker's threads to cores of its own where the "
+                               "host's workers x --threads fill its usable cores (round robin by rank, so pipeline "
+                               "neighbours compute on different cores); off leaves placement to the kernel",
+                               choices=("auto", "off"))
     check_replicas: bool = option(False, "after every step, verify that all replicas of each stage are bitwise "
                                   "identical")
     debug_stall: tuple[int, float] | None = option(None, "fault injection: (worker rank, seconds) to stall",

@@ -44,7 +44,8 @@ class RunOptions:
     comm_payload: str = "full"
     debug_stall: tuple[int, float] | None = None
     post_validate: bool = False  # per-stage updates, validated (rolled back and redone) at the end of the step
-    p2p: str = "auto"  # auto: same-host messages on CPU through shared memory (chimera.util.shm); gloo: gloo's
+    p2p: str = "auto"  # auto: same-host messages on CPU through shared memory (chimera.util.shm); gloo: gloo's TCP
+    cpu_affinity: str = "auto"  # auto: CPU workers that fill their host's cores each pinned to their own (round robin)
 
     @property
     def is_training_result(self) -> bool:

@@ -43,6 +43,7 @@ from chimera.runtime.step_state import StepState
 from chimera.schedule import Action, Kind
 from chimera.timeline import Event
 from chimera.timeline.recorder import EventRecorder
+from chimera.util.cores import core_sets, machine_id, pin_process, usable_cores
 from chimera.util.host_memory import StepCollector, keep_freed_memory
 from chimera.util.source import check_same_source
 
@@ -106,6 +107,7 @@ class PipelineWorker:
         torch.set_num_threads(t.threads)
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=self.init_method,
                                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=t.timeout_s))
+        self.cpus = self._pin() if self.device.type == "cpu" and t.cpu_affinity == "auto" else None
         host_stages = [s for s in range(sched.stages) if self.job.offload.gradients_at(s)]
         self.comm = Communicator(sched, self.rank, tied_ranks(self.job).values(), t.timeout_s, self.name, t.comm_payload,
                                  host_stages, t.p2p, _largest_message(self.job))
@@ -138,7 +140,21 @@ class PipelineWorker:
             self.checkpoints.restore(self.job.resume)  # type: ignore[union-attr]
         self.collector = StepCollector(t.python_gc == "step").start()  # last: freezes what set-up built
         return {"rank": self.rank, "worker": self.worker, "stages": sorted(self.stages.modules),
-                "device": str(self.device), "params": sum(p.numel() for p in self.stages.params), "pid": os.getpid()}
+                "device": str(self.device), "params": sum(p.numel() for p in self.stages.params), "pid": os.getpid(),
+                "cpus": self.cpus}
+
+    def _pin(self) -> list[int] | None:
+        """``--cpu-affinity auto``: pin this process to its cores among its host's workers (a collective:
+        :mod:`chimera.util.cores`); those cores, or None where the host's workers leave cores free."""
+        hosts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(hosts, machine_id())
+        mine = [r for r, h in enumerate(hosts) if h == hosts[self.rank]]
+        sets = core_sets(usable_cores(), len(mine), self.run.threads)
+        if sets is None:
+            return None
+        cpus = sets[mine.index(self.rank)]
+        pin_process(cpus)
+        return sorted(cpus)
 
     def pending(self) -> dict[str, Any]:
         """Where this worker is: its step and the index (in its action list) of the action it runs or waits on;
