@@ -16,6 +16,7 @@ from chimera.profile import Profile, ProfileError, Timing, fingerprint
 from chimera.profile.comm import measure_comm_local
 from chimera.profile.layers import current_versions, profile_chain
 from chimera.profile.memory import largest_fitting, probe_max_micro_batch_size
+from chimera.util.cores import core_sets, usable_cores
 from tests.conftest import alive_actors
 
 #: a hang fails a test here within this many seconds (pytest-timeout), not at CI's limit
@@ -234,7 +235,8 @@ def test_ray_comm_probe_between_workers_on_two_nodes(ray_session):
 
 
 class Stamped(nn.Module):
-    """Appends (process id, start time) of every forward to a file; one of the processes also sleeps in each."""
+    """Appends (process id, start time, its cores) of every forward to a file; one of the processes also sleeps in
+    each."""
 
     def __init__(self, log: str) -> None:
         super().__init__()
@@ -247,7 +249,7 @@ class Stamped(nn.Module):
 
         t = time.time()
         with open(self.log, "a") as f:
-            f.write(f"{os.getpid()} {t}\n")
+            f.write(f"{os.getpid()} {t} {','.join(map(str, sorted(os.sched_getaffinity(0))))}\n")
         slow = Path(self.log + ".slow")
         try:  # the first process to get here is the slow one
             fd = os.open(slow, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -271,9 +273,16 @@ def test_concurrent_profiling_processes_time_each_run_together(tmp_path):
     assert all(layer.costs[2].forward.median_s >= 0.02 for layer in prof.layers)  # the sleeping process's
     assert prof.concurrent == 2 and prof.threads == max(1, (os.cpu_count() or 1) // 2)  # for chimera plan's trust
     stamps: dict[str, list[float]] = {}
+    cores: dict[str, set[str]] = {}
     for line in Path(log).read_text().splitlines():
-        pid, t = line.split()
+        pid, t, cpus = line.split()
         stamps.setdefault(pid, []).append(float(t))
+        cores.setdefault(pid, set()).add(cpus)
+    # the two processes on cores as two workers' --cpu-affinity auto puts them (CI's two cores: one each)
+    sets = core_sets(usable_cores(), 2, prof.threads)
+    expected = [",".join(map(str, sorted(c))) for c in sets] if sets else [",".join(map(str, usable_cores()))] * 2
+    assert sorted(c for cs in cores.values() for c in cs) == sorted(expected)
+    assert any("pinned to its cores" in n for n in prof.notes) == (sets is not None)
     a, b = stamps.values()
     assert len(a) == len(b) > 20
     # Lock-step, counted in the order of the stamps (not timed, so a loaded machine cannot break it): a process

@@ -46,6 +46,7 @@ from chimera.profile.format import (
 )
 from chimera.profile.memory import probe_max_micro_batch_size
 from chimera.profile.timing import PACE_TIMEOUT_S, evict_caches, measure, optimizer_costs, pace, set_pace
+from chimera.util.cores import core_sets, pin_process, usable_cores
 from chimera.util.host_memory import StepCollector, keep_freed_memory
 from chimera.util.processes import LocalProcesses, forkserver_context
 
@@ -66,7 +67,8 @@ def profile_chain(chain: LayerChain, micro_batch_sizes: Sequence[int], *, device
     the slowest process: alone, a CPU worker's layers run faster than they will beside the others, and a
     synchronous step waits for its slowest worker (the cores a machine shares out are not equally fast).
     ``threads`` (per process) defaults to torch's alone, and with ``concurrent`` > 1 to this machine's cores
-    shared among the processes, as that many workers take them (:func:`chimera.compile.worker_threads`). The
+    shared among the processes, as that many workers take them (:func:`chimera.compile.worker_threads`); on CPU
+    they are pinned to cores as that many workers' ``--cpu-affinity auto`` pins them. The
     profile records ``concurrent`` (:attr:`Profile.concurrent`), which the planner checks against the workers
     that will share a machine. ``progress(done, total)`` hears every layer profiled (one process's, when
     concurrent). Every optimizer's step is timed ``reps`` times too (at least 3): with 3, the optimizer steps of
@@ -128,7 +130,9 @@ def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str,
     packed = cloudpickle.dumps((chain, list(sizes), kw))
     results: list[dict[str, Any]] = []
     barrier = forkserver_context().Barrier(n)
-    args = [(packed, barrier, rank == 0) for rank in range(n)]  # the first process reports its progress
+    # on CPU pinned as n workers' --cpu-affinity auto pins them (chimera.util.cores), so that they share cores alike
+    cores = core_sets(usable_cores(), n, kw["threads"]) if kw["device"] == "cpu" else None
+    args = [(packed, barrier, rank == 0, cores[rank] if cores else None) for rank in range(n)]  # rank 0 reports progress
     with LocalProcesses(_profile_main, args, ProfileError, "profiling process") as procs:
         for kind, payload in procs.messages(3600, lambda: f"{n - len(results)} of {n} profiles"):
             if kind == "error":
@@ -145,7 +149,8 @@ def _concurrently(chain: LayerChain, sizes: Sequence[int], n: int, kw: dict[str,
     slowest = int(np.argmax(totals))
     merged = results[slowest]
     merged["concurrent"] = n
-    merged["notes"].append(f"profiled in {n} processes at once (as {n} workers share this machine); the timings of "
+    merged["notes"].append(f"profiled in {n} processes at once (as {n} workers share this machine"
+                           f"{', each pinned to its cores as they will be' if cores else ''}); the timings of "
                            f"the slowest (totals {', '.join(f'{t:.4f}' for t in totals)} s)")
     return Profile.from_dict(merged)
 
@@ -157,8 +162,10 @@ def _total_seconds(profile: dict[str, Any]) -> float:
         s for layer in profile["layers"] for s in layer["optimizer_s"].values())
 
 
-def _profile_main(packed: bytes, barrier: Any, report: bool, out: Any) -> None:
+def _profile_main(packed: bytes, barrier: Any, report: bool, cpus: frozenset[int] | None, out: Any) -> None:
     set_pace(lambda: barrier.wait(PACE_TIMEOUT_S))
+    if cpus is not None:
+        pin_process(cpus)
     try:
         chain, sizes, kw = cloudpickle.loads(packed)
         progress = (lambda done, total: out.put(("progress", (done, total)))) if report else None
