@@ -6,8 +6,9 @@ starts, once, one torch.pp process group (gloo, torch.multiprocessing forkserver
 hosting GPipe, 1F1B, Interleaved1F1B, DualPipeV, ZBVZeroBubble, InterleavedZeroBubble and LoopedBFS, the
 last four with two stages per rank) and one chimera RayJob per schedule (Chimera, 1F1B, GPipe, and ``auto``,
 labelled with the schedule it chose) on one local Ray. Both sides use chimera's CPU allocator setting
-(``keep_freed_memory``) and its cores (``--cpu-affinity auto``). Where they differ: each side moves messages its own way, torch.pp through gloo and
-chimera through shared memory between processes of one host (its default ``--p2p auto``); the output says so.
+(``keep_freed_memory``) and its cores (``--cpu-affinity auto``). Where they differ: each side moves messages its
+own way, torch.pp through gloo and chimera through shared memory between processes of one host (its default
+``--p2p auto``); the output says so.
 Each repetition then runs two steps of every row back to back, rows in an order rotated by one per repetition so
 drift hits all rows alike; the first ``--warmup`` repetitions are discarded.
 
