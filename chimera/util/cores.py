@@ -3,7 +3,7 @@
 Where a host's workers (times their torch threads) fill or oversubscribe its usable cores, each worker is pinned to
 cores of its own, round robin in rank order: with four 1F1B workers on two cores, pipeline neighbours (which hand
 each micro-batch to each other) then never share a core, where the kernel's wake-up placement often put the woken
-receiver beside its sender. 1-4 % shorter steps on the development machine (``bench/RESULTS.md``, issue 29,
+receiver beside its sender. Up to 5 % shorter steps on the development machine (``bench/RESULTS.md``, issue 29,
 fourteenth round). Workers that leave cores free are left to the kernel: two jobs on one host would otherwise pin
 their workers to the same few cores.
 
