@@ -38,7 +38,7 @@ from bench.workloads import Workload, input_keys, unpack_target
 from chimera.models import LayerChain, StageModule, build_stage
 from chimera.models.chain import as_tuple, call
 from chimera.optim import build_optimizer
-from chimera.util.cores import core_sets, pin_process, usable_cores
+from chimera.util.cores import pin_worker
 from chimera.util.host_memory import StepCollector, keep_freed_memory
 
 
@@ -181,9 +181,7 @@ def _worker(w: Workload, names: list[str], rank: int, init: str, cmds: Any, out:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=w.stages,
                                 timeout=timedelta(seconds=300))
-        cores = core_sets(usable_cores(), w.stages, 1)  # chimera's --cpu-affinity auto: its workers' placement
-        if cores is not None:
-            pin_process(cores[rank])
+        pin_worker(rank, w.stages, 1)  # chimera's --cpu-affinity auto: its workers' placement
         # new_group is collective: every rank builds every runner in the same order
         runners = {n: _Runner(w, TORCH_SCHEDULES[n], rank) for n in names}
         collector = StepCollector().start()  # Python's collector between steps, as in chimera's workers

@@ -43,7 +43,7 @@ from chimera.runtime.step_state import StepState
 from chimera.schedule import Action, Kind
 from chimera.timeline import Event
 from chimera.timeline.recorder import EventRecorder
-from chimera.util.cores import core_sets, machine_id, pin_process, usable_cores
+from chimera.util.cores import host_id, pin_worker
 from chimera.util.host_memory import StepCollector, keep_freed_memory
 from chimera.util.source import check_same_source
 
@@ -147,14 +147,10 @@ class PipelineWorker:
         """``--cpu-affinity auto``: pin this process to its cores among its host's workers (a collective:
         :mod:`chimera.util.cores`); those cores, or None where the host's workers leave cores free."""
         hosts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(hosts, machine_id())
+        dist.all_gather_object(hosts, host_id())
         mine = [r for r, h in enumerate(hosts) if h == hosts[self.rank]]
-        sets = core_sets(usable_cores(), len(mine), self.run.threads)
-        if sets is None:
-            return None
-        cpus = sets[mine.index(self.rank)]
-        pin_process(cpus)
-        return sorted(cpus)
+        cpus = pin_worker(mine.index(self.rank), len(mine), self.run.threads)
+        return sorted(cpus) if cpus is not None else None
 
     def pending(self) -> dict[str, Any]:
         """Where this worker is: its step and the index (in its action list) of the action it runs or waits on;

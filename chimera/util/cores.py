@@ -7,26 +7,26 @@ receiver beside its sender. Up to 5 % shorter steps on the development machine (
 fourteenth round). Workers that leave cores free are left to the kernel: two jobs on one host would otherwise pin
 their workers to the same few cores.
 
-    cores = usable_cores()
-    sets = core_sets(cores, workers=4, threads=1)   # [{0}, {1}, {0}, {1}] on two cores
-    pin_process(sets[local_index])
+    core_sets(usable_cores(), workers=4, threads=1)   # [{0}, {1}, {0}, {1}] on two cores
+    pin_worker(local_index, workers=4, threads=1)      # this process on its set
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Sequence
 from pathlib import Path
 
 
-def machine_id() -> str:
-    """This machine's identity, shared by every process and container on it: the kernel's boot id (Linux), else
-    the host name."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return socket.gethostname()
+def host_id() -> str:
+    """This host's identity: its name and the kernel's boot id (two hosts may share a name, not a boot). The ranks
+    that share it share shared memory (``chimera.util.shm``) and cores."""
+    boot = ""
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return f"{socket.gethostname()}|{boot}"
 
 
 def usable_cores() -> list[int]:
@@ -43,6 +43,16 @@ def core_sets(cores: Sequence[int], workers: int, threads: int) -> list[frozense
     if n == 0 or workers * threads < n:
         return None
     return [frozenset(cores[(i * threads + j) % n] for j in range(min(threads, n))) for i in range(workers)]
+
+
+def pin_worker(index: int, workers: int, threads: int) -> frozenset[int] | None:
+    """Pin this process as worker ``index`` of ``workers`` on this host (``threads`` torch threads each); its cores,
+    or None where the workers leave cores free (nothing pinned)."""
+    sets = core_sets(usable_cores(), workers, threads)
+    if sets is None:
+        return None
+    pin_process(sets[index])
+    return sets[index]
 
 
 def pin_process(cpus: frozenset[int]) -> None:

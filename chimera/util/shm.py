@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from chimera.util.cores import host_id
 from chimera.util.shm_ring import (
     FUTEX_WAIT,
     LIVENESS_S,
@@ -132,7 +132,7 @@ class ShmChannels:
             return
         rank, world, ok = self.rank, dist.get_world_size(), supported()
         hosts: list[Any] = [None] * world
-        dist.all_gather_object(hosts, (_host_id() if ok else None, secrets.token_hex(6)))
+        dist.all_gather_object(hosts, (host_id() if ok else None, secrets.token_hex(6)))
         token = hosts[0][1]
         local = [p for p in pairs if ok and hosts[p[1]][0] is not None and hosts[p[1]][0] == hosts[p[2]][0]
                  and p not in self.channels]
@@ -297,14 +297,6 @@ class ShmChannels:
         for ch in self.channels.values():
             ch.close()
         self.channels.clear()
-
-
-def _host_id() -> str:
-    """This host's identity: name and boot id (two hosts may share a name, not a boot)."""
-    boot = ""
-    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
-    return f"{socket.gethostname()}|{boot}"
 
 
 def _path(token: str, key: tuple[str, int, int]) -> str:
