@@ -13,10 +13,12 @@ LoopedBFS) the compute order torch's schedule object itself runs (its ``pipeline
 Chimera rows are predicted with the runtime's own costs too (:class:`Calibration`, measured per workload once its
 rows' processes are up, so that their idle load is in it): the lowered schedule the job runs, every message the
 one-way time of a ping-pong between two processes of this machine over the runtime's p2p (shared memory), and as
-much of the worker's time to post and complete it, every gradient sum one such exchange, every compute action the runtime's fixed time per action of its
-kind (:func:`chimera.calibrate.measure_action_costs`, its blocks sleeping like the rows' actions, up to 10 ms:
-beyond its sleeps), and every step what those 1F1B steps (run locally, whole and split backward) take beyond
-their simulation with those costs, charged to the optimizer step. torch.pp rows keep the schedule-only figure:
+much of the worker's time to post and complete it, every send the runtime's time per send beyond that, every
+gradient sum one such exchange, every compute action the runtime's fixed time per action of its kind
+(:func:`chimera.calibrate.measure_runtime`, its blocks sleeping like the rows' actions, up to 10 ms: beyond its
+sleeps), and every step what those 1F1B steps take beyond their simulation with those costs, charged to the
+optimizer step. The calibration runs 1F1B twice, with a whole and with a split backward, on the rows' launcher;
+each row is priced with the run of its own backward's form (:class:`Calibration`). torch.pp rows keep the schedule-only figure:
 their runtime's costs are torch's, not measured here.
 
 No prediction (None) for the real-model rows: one-thread stage profiles taken on the shared 2-core development
@@ -34,7 +36,7 @@ from chimera.calibrate import sleeps
 from chimera.job import Job
 from chimera.plan.costs import per_step
 from chimera.runtime.launch import LocalResult
-from chimera.schedule import Costs, Schedule, build_schedule, simulate
+from chimera.schedule import Costs, Kind, Schedule, build_schedule, simulate
 from chimera.schedule.steps import period
 
 #: the longest sleep the calibration runs with: the cost of waking from a sleep levels off by ~10 ms (0.54-0.67 ms
@@ -53,13 +55,29 @@ def delay_costs(tf: float, stages: int) -> Costs:
 
 
 @dataclass(frozen=True)
+class RuntimeCosts:
+    """The runtime's own costs as one calibration job measured them (:class:`chimera.calibrate.RuntimeRun`): fixed
+    seconds per action by kind (compute kinds beyond their sleeps, sends beyond the p2p's one-way time), and what a
+    step costs beyond its actions (charged to its optimizer step)."""
+
+    fixed: tuple[tuple[str, float], ...]
+    step_s: float = 0.0
+
+    def text(self) -> str:
+        per = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in self.fixed)
+        return f"per action {per}; per step beyond them {self.step_s * 1e3:.3f}"
+
+
+@dataclass(frozen=True)
 class Calibration:
-    """The runtime's costs on this machine: the one-way time of a small gloo message between two processes (the
-    link's limit) and the fixed seconds per compute action by kind."""
+    """The runtime's costs on this machine: the one-way time of a small message between two processes on the
+    runtime's p2p (the link's limit), and the runtime's own costs as the whole-backward and the split-backward
+    calibration jobs measured them. A row is priced with the job of its own backward: where workers share cores,
+    a split backward's many short actions wait longer for theirs (:mod:`chimera.calibrate`)."""
 
     p2p_s: float
-    fixed: tuple[tuple[str, float], ...]
-    step_s: float = 0.0  # what a step costs beyond its actions (charged to its optimizer step)
+    whole: RuntimeCosts
+    split: RuntimeCosts
 
     @staticmethod
     def measure(workers: int, tf: float = 0.0, steps: int = CALIBRATION_STEPS,
@@ -73,22 +91,35 @@ class Calibration:
 
         sleep = min(tf, SLEEP_CAP_S)
         p2p = measure_comm_local(2, sizes=(512,), reps=200).p2p.latency_s
-        fixed, runs = measure_runtime(workers, steps=steps, sleep_s=sleep, launch=launch)
-        c = Calibration(p2p, tuple(fixed.items()))
-        # the calibration runs' steps beyond their simulation with these costs: the per-step remainder
-        return replace(c, step_s=step_remainder(runs, lambda s: c.costs(sleep, s)))
+        forms = {}
+        for run in measure_runtime(workers, steps=steps, sleep_s=sleep, launch=launch, p2p_s=p2p):
+            own = RuntimeCosts(tuple(run.fixed.items()))
+            # the run's steps beyond their simulation with its own costs: its per-step remainder
+            step = step_remainder([run], lambda r, own=own: _priced(delay_costs(sleep, r.schedule.stages), p2p, own))
+            forms[run.split] = replace(own, step_s=step)
+        return Calibration(p2p, forms[False], forms[True])
 
     def costs(self, tf: float, schedule: Schedule) -> Costs:
-        """The delay costs of ``schedule`` with these runtime costs (module docstring); the step's remainder on its
-        optimizer step, or spread over each worker's post-validated stage updates (``chimera.plan.costs.per_step``)."""
-        c = replace(delay_costs(tf, schedule.stages), fixed=self.fixed, p2p_latency=self.p2p_s, p2p_busy=self.p2p_s,
-                    allreduce=self.p2p_s, sync_start=self.p2p_s)
-        return per_step(c, self.step_s, schedule)
+        """The delay costs of ``schedule`` with the runtime costs of its backward's form (class docstring); the
+        step's remainder on its optimizer step, or spread over each worker's post-validated stage updates
+        (``chimera.plan.costs.per_step``)."""
+        form = self.split if splits_backward(schedule) else self.whole
+        return per_step(_priced(delay_costs(tf, schedule.stages), self.p2p_s, form), form.step_s, schedule)
 
     def text(self) -> str:
-        per = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in self.fixed)
         return (f"ping-pong one way on the runtime's p2p (shared memory; the link's limit) {self.p2p_s * 1e3:.3f} ms; "
-                f"runtime per action (ms): {per}; per step beyond its actions {self.step_s * 1e3:.3f} ms")
+                f"runtime, whole backward (ms): {self.whole.text()}; split backward: {self.split.text()}")
+
+
+def _priced(costs: Costs, p2p_s: float, own: RuntimeCosts) -> Costs:
+    """``costs`` with every message ``p2p_s`` one way and as much of its worker's time, every gradient sum one such
+    exchange, and the runtime's own costs ``own`` per action (not yet per step)."""
+    return replace(costs, fixed=own.fixed, p2p_latency=p2p_s, p2p_busy=p2p_s, allreduce=p2p_s, sync_start=p2p_s)
+
+
+def splits_backward(schedule: Schedule) -> bool:
+    """Whether ``schedule`` splits its backward (runs weight-gradient actions)."""
+    return any(a.kind is Kind.W for row in schedule.actions for a in row)
 
 
 def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | None = None,

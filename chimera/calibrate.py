@@ -9,6 +9,14 @@ action's interval, and keeps per compute kind the median: that is the fixed cost
     fixed = measure_action_costs(workers=2)      # {"F": 2.1e-4, "B": 3.0e-4, "I": ..., "W": ...}
     costs = replace(costs, fixed=tuple(fixed.items()))
 
+A send costs its worker more than a receive whose message is there (on shared memory it copies the message in
+and wakes its peer: ~0.08 ms against ~0.03 ms on the 2-core development machine): beyond the comm profile's
+``p2p_busy`` (the ping-pong's one-way time, charged to every send and receive) each send kind gets a fixed time
+too, measured on the batches that hold sends alone (:func:`send_times`; in a batch with a receive it may have
+waited for its peer). Charging every send and receive the lower quartile of its kind's intervals instead (a
+receive's hold waits) had 1F1B at tf = 0.5 ms, D = 4, N = 8 (whose steady state posts every send with a receive)
+predicted 6 % long; without the sends' time, 4 % short at 2 ms.
+
 What a step pays once beyond its actions (:func:`step_remainder` of :func:`measure_runtime`'s runs) is the rest of
 the runtime's own time; ``chimera profile --comm local`` records both (``Profile.actions``, ``Profile.step_s``).
 
@@ -17,46 +25,65 @@ fixed cost is its interval less its sleeps: a worker that sleeps (waits on a dev
 pays more per action than one that never does (the wake-up, the cold caches: about 0.6 ms against 0.2 ms on the
 2-core development machine at 10-25 ms sleeps), so measure with sleeps like the actions to be predicted.
 
-Communication's own worker time is the comm profile's (``p2p_busy``, the ping-pong's fixed cost on the runtime's
-p2p), not measured here. The figure depends on the machine and its load: measure as training will run (as many
-workers at once on the machine).
+The figures depend on the machine and its load: measure as training will run (as many workers at once on the
+machine). Where workers share cores they also depend on the schedule: a split backward runs more actions per
+second, and each waits longer for its core (at tf = 0.5 ms on 2 cores, 4 workers: 0.02-0.1 ms more per forward than
+with a whole backward); :class:`RuntimeRun` keeps each job's own figures.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from chimera.schedule import Action, Costs, Kind, Schedule
+from chimera.schedule.kinds import SPECS, Role
 
 if TYPE_CHECKING:
     from chimera.job import Job
     from chimera.runtime.launch import LocalResult
+    from chimera.timeline.events import Event
 
-#: the kinds measured: the compute kinds of a whole and a split backward
+#: the compute kinds measured: those of a whole and a split backward
 KINDS = ("F", "B", "I", "W")
+#: the send kinds, which get the time of a send beyond ``p2p_busy`` (:func:`send_times`)
+SENDS = tuple(k.value for k, spec in SPECS.items() if spec.role is Role.SEND)
+
+
+@dataclass(frozen=True)
+class RuntimeRun:
+    """One calibration job (:func:`measure_runtime`): the lowered schedule it ran, whether its backward was split,
+    the median seconds of its timed steps, and what the runtime itself took per action by kind: each compute kind
+    beyond its sleeps, each send kind beyond ``p2p_s`` (the median of :func:`send_times`)."""
+
+    schedule: Schedule
+    split: bool
+    step_s: float
+    fixed: dict[str, float]
 
 
 def measure_action_costs(workers: int = 2, steps: int = 12, skip: int = 4, micro_batches: int | None = None,
                          device: str = "cpu", sleep_s: float = 0.0) -> dict[str, float]:
-    """Median seconds per action of each compute kind (:data:`KINDS`) beyond its sleeps over the recorded steps
+    """Seconds per action of each compute kind (:data:`KINDS`) beyond its sleeps over the recorded steps
     (:func:`measure_runtime`) of 1F1B with a whole and with a split backward on ``workers`` workers, the delay
-    model sleeping ``sleep_s`` per block (module docstring)."""
-    return measure_runtime(workers, steps, skip, micro_batches, device, sleep_s)[0]
+    model sleeping ``sleep_s`` per block (module docstring): per kind the mean of the jobs' medians."""
+    fixed = pooled(measure_runtime(workers, steps, skip, micro_batches, device, sleep_s))
+    return {k: v for k, v in fixed.items() if k in KINDS}
 
 
 def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batches: int | None = None,
-                    device: str = "cpu", sleep_s: float = 0.0, launch: Callable[[Job], LocalResult] | None = None
-                    ) -> tuple[dict[str, float], list[tuple[Schedule, float]]]:
-    """:func:`measure_action_costs`, and per job run (1F1B whole and split) its lowered schedule and the median
-    seconds of its last steps, which record nothing and follow a step that recorded nothing (a recording step runs
-    slower, and consecutive steps overlap: the one after it starts late): what a step costs beyond its actions (and
-    their sleeps, :func:`sleeps`) is what those steps take beyond their simulation. Steps ``skip`` to ``skip + (steps
-    - skip) // 2 - 1`` record their actions, one more is left out, the rest are timed. ``launch`` runs each job and
+                    device: str = "cpu", sleep_s: float = 0.0, launch: Callable[[Job], LocalResult] | None = None,
+                    p2p_s: float = 0.0) -> list[RuntimeRun]:
+    """Run 1F1B with a whole and with a split backward (the delay model sleeping ``sleep_s`` per block) and measure
+    each (:class:`RuntimeRun`): steps ``skip`` to ``skip + (steps - skip) // 2 - 1`` record their actions, one more
+    is left out, the rest are timed, as they record nothing and follow a step that recorded nothing (a recording
+    step runs slower, and consecutive steps overlap: the one after it starts late). ``launch`` runs each job and
     returns its records and events (default :func:`~chimera.runtime.run_local`): measure on the launcher whose steps
-    are to be predicted (a Ray actor's step costs more than a local process's)."""
+    are to be predicted. ``p2p_s``: what the simulator charges every send and receive already (the comm profile's
+    ``p2p_busy``)."""
     from chimera.compile import compile_job
     from chimera.config import TrainConfig
     from chimera.runtime.launch import run_local
@@ -68,8 +95,7 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
         raise ValueError(f"sleep_s is seconds per block, >= 0; got {sleep_s}")
     n = micro_batches or 2 * workers
     slept = sleeps(sleep_s, workers)
-    durations: dict[str, list[float]] = defaultdict(list)
-    runs: list[tuple[Schedule, float]] = []
+    runs = []
     for split in (False, True):
         cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": workers, "fwd_s": sleep_s},
                                      schedule="1f1b", split_backward=split, stages=workers, micro_batches=n,
@@ -78,38 +104,63 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
                                      profile_steps=recorded)
         job = compile_job(cfg)
         result = (launch or run_local)(job)
+        durations: dict[str, list[float]] = defaultdict(list)
         for e in result.events:
             if e.kind in KINDS:
                 a = Action(Kind(e.kind), e.pipe, e.stage, e.microbatch, e.count)
                 durations[e.kind].append(e.end - e.start - float(slept.of(a)))
         timed = [m["step_time_s"] for m in result.metrics[recorded[-1] + 2:]]
-        runs.append((job.schedule, statistics.median(timed)))
-    return {k: statistics.median(durations[k]) for k in KINDS if durations[k]}, runs
+        fixed = {k: statistics.median(v) for k, v in durations.items()}
+        sends = send_times(result.events, p2p_s)
+        if sends:
+            fixed.update(dict.fromkeys(SENDS, statistics.median(sends)))
+        runs.append(RuntimeRun(job.schedule, split, statistics.median(timed), fixed))
+    return runs
 
 
-def step_remainder(runs: list[tuple[Schedule, float]], costs: Callable[[Schedule], Costs]) -> float:
-    """What a step costs beyond its actions: the median, over :func:`measure_runtime`'s ``runs`` (each job's lowered
-    schedule and its measured step), of the step less its simulation with ``costs(schedule)`` (the blocks' sleeps, the
-    fixed time per action and whatever else the caller prices: then not counted twice); 0 where the simulation is
-    longer. Dispatching the step, its record, collecting its garbage and whatever else a step pays once: the
+def send_times(events: Sequence[Event], p2p_s: float = 0.0) -> list[float]:
+    """Per batch of sends alone (no receive: nothing in it waits for a peer), its interval per send, less
+    ``p2p_s``: what a send costs its worker beyond the busy time the simulator charges every message. A batch is
+    one interval: the runtime records its sends and receives with the batch's start and end."""
+    batches: dict[tuple[int, int, float, float], list[str]] = defaultdict(list)
+    for e in events:
+        if Kind(e.kind).is_p2p:
+            batches[(e.worker, e.iteration, e.start, e.end)].append(e.kind)
+    return [max(0.0, (end - start) / len(kinds) - p2p_s) for (_, _, start, end), kinds in batches.items()
+            if all(k in SENDS for k in kinds)]
+
+
+def pooled(runs: Sequence[RuntimeRun]) -> dict[str, float]:
+    """The runs' costs as one: per kind the mean of the runs' figures (B from the whole backward, I and W from the
+    split one)."""
+    kinds = dict.fromkeys(k for r in runs for k in r.fixed)
+    return {k: statistics.fmean(r.fixed[k] for r in runs if k in r.fixed) for k in kinds}
+
+
+def step_remainder(runs: Sequence[RuntimeRun], costs: Callable[[RuntimeRun], Costs]) -> float:
+    """What a step costs beyond its actions: the median, over :func:`measure_runtime`'s ``runs``, of the run's step
+    less the simulation of its schedule with ``costs(run)`` (the blocks' sleeps, the runtime's time per action and
+    whatever else the caller prices: then not counted twice); 0 where the simulation is longer.
+    Dispatching the step, its optimizer step, collecting its garbage and whatever else a step pays once: the
     planner charges it to the optimizer step."""
     from chimera.schedule import simulate
 
-    extra = [step - float(simulate(s, costs(s)).makespan) for s, step in runs]
+    extra = [r.step_s - float(simulate(r.schedule, costs(r)).makespan) for r in runs]
     return max(0.0, statistics.median(extra)) if extra else 0.0
 
 
 def runtime_costs(workers: int, device: str = "cpu", p2p_s: float = 0.0) -> tuple[dict[str, float], float]:
-    """The runtime's own time on ``workers`` local workers: per compute action by kind
-    (:func:`measure_runtime`) and per step beyond its actions (:func:`step_remainder`, the messages priced at
-    ``p2p_s`` each way and of worker time, as the planner prices them with a profile's p2p link), as
-    ``chimera profile --comm local`` records them (``Profile.actions``, ``Profile.step_s``)."""
+    """The runtime's own time on ``workers`` local workers: per action by kind (:func:`measure_runtime`,
+    :func:`pooled`), and per step beyond its actions (:func:`step_remainder`, every send and receive priced at
+    ``p2p_s`` each way and of worker time, as the planner prices them with a profile's p2p link), as ``chimera
+    profile --comm local`` records them (``Profile.actions``, ``Profile.step_s``)."""
     from dataclasses import replace
 
-    fixed, runs = measure_runtime(workers, steps=16, skip=3, device=device)
+    runs = measure_runtime(workers, steps=16, skip=3, device=device, p2p_s=p2p_s)
+    fixed = pooled(runs)
 
-    def costs(s: Schedule) -> Costs:
-        return replace(sleeps(0.0, s.stages), fixed=tuple(fixed.items()), p2p_latency=p2p_s, p2p_busy=p2p_s)
+    def costs(r: RuntimeRun) -> Costs:
+        return replace(sleeps(0.0, r.schedule.stages), fixed=tuple(fixed.items()), p2p_latency=p2p_s, p2p_busy=p2p_s)
 
     return fixed, step_remainder(runs, costs)
 

@@ -70,14 +70,18 @@ def test_a_profile_carries_the_runtime_costs_into_the_planners_simulation(tmp_pa
 
 def test_what_a_step_pays_beyond_its_actions_is_its_time_less_its_simulation():
     """``step_remainder``: the median over the measured runs of step less simulation (never below 0)."""
-    from chimera.calibrate import step_remainder
+    from chimera.calibrate import RuntimeRun, step_remainder
     from chimera.schedule import lower
 
     s = lower(build_schedule("1f1b", 2, 4))
-    costs = lambda schedule: Costs(fwd=1, bwd=2)  # noqa: E731
-    span = simulate(s, costs(s)).makespan  # 15
-    assert step_remainder([(s, span + 5), (s, span + 1), (s, span + 2)], costs) == 2  # the median, not the mean
-    assert step_remainder([(s, span - 1)], costs) == 0  # a simulation longer than the step: nothing left over
+    costs = lambda run: Costs(fwd=1, bwd=2)  # noqa: E731
+    span = simulate(s, Costs(fwd=1, bwd=2)).makespan  # 15
+
+    def runs(*steps: float) -> list[RuntimeRun]:
+        return [RuntimeRun(s, False, step, {}) for step in steps]
+
+    assert step_remainder(runs(span + 5, span + 1, span + 2), costs) == 2  # the median, not the mean
+    assert step_remainder(runs(span - 1), costs) == 0  # a simulation longer than the step: nothing left over
 
 
 def test_a_profile_charges_its_step_remainder_once_per_step(tmp_path):
@@ -113,3 +117,44 @@ def test_a_profile_charges_its_step_remainder_once_per_step(tmp_path):
     assert [b - a for a, b in zip(*updates)] == pytest.approx([0.002, 0.002])
     pv = lower_all(s, None, True)  # post-validated: each stage updated on its own, the worker's two updates 2 ms more
     assert simulate(pv, charged).makespan - simulate(pv, plain).makespan == pytest.approx(0.004)
+
+
+def test_a_send_kinds_fixed_time_is_charged_per_send_beyond_its_busy_time():
+    """``Costs.fixed`` of a send kind: on top of ``p2p_busy``, once per send. Lowered 1F1B at D = 2, N = 1, F = 1,
+    B = 2, 0.25 busy per message: worker 0's F0 0-1, SEND_F0 1-1.25, worker 1's RECV_F0 ends at 1.5, F0 1.5-2.5,
+    B0 2.5-4.5, SEND_B0 4.5-4.75, worker 0's RECV_B0 ends at 5 and its B0 at 7. With 0.5 more per send: 8."""
+    from chimera.schedule import lower
+
+    s = lower(build_schedule("1f1b", 2, 1))
+    assert simulate(s, Costs(fwd=1, bwd=2, p2p_busy=0.25)).makespan == 7
+    slower = (("SEND_F", 0.5), ("SEND_B", 0.5))
+    assert simulate(s, Costs(fwd=1, bwd=2, p2p_busy=0.25, fixed=slower)).makespan == 8
+    assert simulate(s, Costs(fwd=1, bwd=2, p2p_busy=0.25, fixed=(("RECV_F", 0.5),))).makespan == 7.5
+
+
+def test_send_times_are_the_intervals_per_send_of_batches_of_sends_alone():
+    """A batch's sends and receives share its interval; only batches of sends alone count (a receive may have
+    waited for its peer), per send, less ``p2p_s``."""
+    from chimera.calibrate import send_times
+    from chimera.timeline.events import Event
+
+    events = [Event(0, "SEND_F", "d", 0, 0, 1.0, 1.4, 3), Event(0, "SEND_B", "d", 1, 0, 1.0, 1.4, 3),  # two sends
+              Event(0, "F", "d", 0, 1, 1.4, 2.0, 3),
+              Event(0, "SEND_F", "d", 0, 1, 2.0, 2.9, 3), Event(0, "RECV_B", "d", 0, 0, 2.0, 2.9, 3),  # with a receive
+              Event(1, "RECV_F", "d", 1, 0, 1.5, 1.6, 3),  # a receive alone
+              Event(1, "SEND_B", "d", 1, 0, 1.5, 1.6, 4)]  # the next step's batch: its own
+    assert send_times(events, 0.05) == pytest.approx([0.15, 0.05])
+
+
+@pytest.mark.timeout(120)
+def test_the_calibration_measures_each_backward_form_on_its_own():
+    """``measure_runtime``: 1F1B with a whole backward (F and B) and with a split one (F, I, W), each with its
+    schedule, its steps and a positive time per send beyond ``p2p_s`` (a send copies and wakes its peer)."""
+    from chimera.calibrate import measure_runtime
+
+    whole, split = measure_runtime(2, steps=6, skip=2, p2p_s=1e-6)
+    assert (whole.split, split.split) == (False, True)
+    assert set(whole.fixed) == {"F", "B", "SEND_F", "SEND_B"} and set(split.fixed) == {"F", "I", "W", "SEND_F", "SEND_B"}
+    for run in (whole, split):
+        assert 0 < run.fixed["SEND_F"] == run.fixed["SEND_B"] < 0.05 and 0 < run.step_s < 1
+        assert any(a.kind.value == "W" for row in run.schedule.actions for a in row) is run.split

@@ -102,3 +102,18 @@ def test_a_row_named_at_gloo_runs_its_schedule_with_messages_through_gloo():
     assert rows[("chimera", "1f1b@gloo")]["split"] == rows[("chimera", "1f1b")]["split"]
     assert compile_job(chimera_config(w, "1f1b", 6, p2p="gloo")).run.p2p == "gloo"
     assert compile_job(chimera_config(w, "1f1b", 6)).run.p2p == "auto"
+
+
+def test_a_row_is_priced_with_the_calibration_run_of_its_backward():
+    """``Calibration.costs``: a whole-backward schedule takes the whole-backward run's costs, a split one the split
+    run's (where workers share cores, a split backward's actions wait longer for theirs)."""
+    from bench.predict import Calibration, RuntimeCosts
+    from chimera.schedule import build_schedule, lower
+    from chimera.schedule.lowering import split_backward
+
+    c = Calibration(1e-5, RuntimeCosts((("F", 1e-4), ("B", 2e-4)), 1e-3), RuntimeCosts((("F", 4e-4),), 2e-3))
+    whole = lower(build_schedule("1f1b", 4, 8))
+    split = lower(split_backward(build_schedule("1f1b", 4, 8)))
+    assert c.costs(0.002, whole).fixed == (("F", 1e-4), ("B", 2e-4))
+    assert c.costs(0.002, split).fixed == (("F", 4e-4),)
+    assert c.costs(0.002, split).optimizer - c.costs(0.002, whole).optimizer == pytest.approx(1e-3)  # its step
