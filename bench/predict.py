@@ -18,8 +18,8 @@ gradient sum one such exchange, every compute action the runtime's fixed time pe
 (:func:`chimera.calibrate.measure_runtime`, its blocks sleeping like the rows' actions, up to 10 ms: beyond its
 sleeps), and every step what those 1F1B steps take beyond their simulation with those costs, charged to the
 optimizer step. The calibration runs 1F1B twice, with a whole and with a split backward, on the rows' launcher;
-each row is priced with the run of its own backward's form (:class:`Calibration`). torch.pp rows keep the schedule-only figure:
-their runtime's costs are torch's, not measured here.
+each row is priced with the run of its own backward's form (:class:`Calibration`). torch.pp rows keep the
+schedule-only figure: their runtime's costs are torch's, not measured here.
 
 No prediction (None) for the real-model rows: one-thread stage profiles taken on the shared 2-core development
 machine varied by up to 2x between runs, so a prediction from them would say more about the machine's load
@@ -42,10 +42,11 @@ from chimera.schedule.steps import period
 #: the longest sleep the calibration runs with: the cost of waking from a sleep levels off by ~10 ms (0.54-0.67 ms
 #: per action at 10 ms, 0.62-0.70 at 25 ms, 0.15-0.19 never sleeping), and longer sleeps only lengthen it
 SLEEP_CAP_S = 0.01
-#: steps of each calibration run (1F1B whole and split): the first half after the warm-up record their actions, the
-#: rest are timed for the per-step remainder. At tf = 2 ms, D = 4, N = 8 a step varies by ±2 ms from one to the next:
-#: 12 steps (3 timed) gave remainders 2.4-6.3 ms from run to run, 24 (9 timed) 5.4-5.6 ms
-CALIBRATION_STEPS = 24
+#: steps of each calibration run (1F1B whole and split): a quarter after the warm-up record their actions, the rest
+#: are timed for the per-step remainder. A step varies by ±2 ms from one to the next at D = 4, N = 8: at tf = 0.5 ms
+#: the whole backward's remainder read 0.62, 3.39, 1.30 ms in three runs of 24 steps (half recorded, 9 timed), 0.17,
+#: 0.28, 0.79 ms in three of 32 (7 recorded, 20 timed)
+CALIBRATION_STEPS = 32
 
 
 def delay_costs(tf: float, stages: int) -> Costs:

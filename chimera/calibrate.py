@@ -78,19 +78,19 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
                     device: str = "cpu", sleep_s: float = 0.0, launch: Callable[[Job], LocalResult] | None = None,
                     p2p_s: float = 0.0) -> list[RuntimeRun]:
     """Run 1F1B with a whole and with a split backward (the delay model sleeping ``sleep_s`` per block) and measure
-    each (:class:`RuntimeRun`): steps ``skip`` to ``skip + (steps - skip) // 2 - 1`` record their actions, one more
-    is left out, the rest are timed, as they record nothing and follow a step that recorded nothing (a recording
-    step runs slower, and consecutive steps overlap: the one after it starts late). ``launch`` runs each job and
-    returns its records and events (default :func:`~chimera.runtime.run_local`): measure on the launcher whose steps
-    are to be predicted. ``p2p_s``: what the simulator charges every send and receive already (the comm profile's
-    ``p2p_busy``)."""
+    each (:class:`RuntimeRun`): steps ``skip`` to ``skip + max(1, (steps - skip) // 4) - 1`` record their actions
+    (hundreds of them), one more is left out, the rest are timed, as they record nothing and follow a step that
+    recorded nothing (a recording step runs slower, and consecutive steps overlap: the one after it starts late).
+    ``launch`` runs each job and returns its records and events (default :func:`~chimera.runtime.run_local`):
+    measure on the launcher whose steps are to be predicted. ``p2p_s``: what the simulator charges every send and
+    receive already (the comm profile's ``p2p_busy``)."""
     from chimera.compile import compile_job
     from chimera.config import TrainConfig
     from chimera.runtime.launch import run_local
 
     if workers < 2 or steps < skip + 3:
         raise ValueError(f"need workers >= 2 and steps >= skip + 3, got workers={workers}, steps={steps}, skip={skip}")
-    recorded = tuple(range(skip, skip + (steps - skip) // 2))
+    recorded = tuple(range(skip, skip + max(1, (steps - skip) // 4)))
     if sleep_s < 0:
         raise ValueError(f"sleep_s is seconds per block, >= 0; got {sleep_s}")
     n = micro_batches or 2 * workers
