@@ -3,8 +3,8 @@
 A layer profile times each layer alone; the runtime also dispatches the action, runs the stage's Python, seeds,
 stashes and hands the output over. :func:`measure_action_costs` runs the runtime itself (one process per worker,
 as training does) on the delay model with zero sleeps, whose blocks compute next to nothing, records every
-action's interval, and keeps per compute kind the median: that is the fixed cost the simulator charges per action
-(``Costs.fixed``)::
+action's interval, and keeps per compute kind the median (the mean of its two jobs' medians): that is the fixed cost
+the simulator charges per action (``Costs.fixed``)::
 
     fixed = measure_action_costs(workers=2)      # {"F": 2.1e-4, "B": 3.0e-4, "I": ..., "W": ...}
     costs = replace(costs, fixed=tuple(fixed.items()))
