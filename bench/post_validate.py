@@ -18,8 +18,8 @@ the same number of steps with the delay model's costs (drained: its steps in seq
 costs (messages, optimizer), so the measured rows run a few per cent over them. The *predicted* figures add the
 runtime's costs measured on this machine once per run, as ``bench/vs_torch_pipelining.py`` predicts its rows
 (``bench.predict.Calibration``: the p2p's one-way time per message and gradient sum, the fixed time per compute
-action, and what a step costs beyond its actions, charged to the drained step's optimizer step or, post-validated,
-spread over the worker's stage updates); ``--no-calibrate`` leaves them out. The rows that clip every step are
+action and per send, and what a step costs beyond its actions, charged to the drained step's optimizer step or,
+post-validated, spread over the worker's stage updates; each row with the calibration job of its backward's form); ``--no-calibrate`` leaves them out. The rows that clip every step are
 not predicted: the simulator does not repeat a step.
 The ``updates`` column counts what the verdicts decided (the delay model's gradients stay under a clip of 1.0).
 
