@@ -36,7 +36,7 @@ from chimera.calibrate import sleeps
 from chimera.job import Job
 from chimera.plan.costs import per_step
 from chimera.runtime.launch import LocalResult
-from chimera.schedule import Costs, Kind, Schedule, build_schedule, simulate
+from chimera.schedule import Costs, Schedule, build_schedule, simulate
 from chimera.schedule.steps import period
 
 #: the longest sleep the calibration runs with: the cost of waking from a sleep levels off by ~10 ms (0.54-0.67 ms
@@ -104,7 +104,7 @@ class Calibration:
         """The delay costs of ``schedule`` with the runtime costs of its backward's form (class docstring); the
         step's remainder on its optimizer step, or spread over each worker's post-validated stage updates
         (``chimera.plan.costs.per_step``)."""
-        form = self.split if splits_backward(schedule) else self.whole
+        form = self.split if schedule.splits_backward else self.whole
         return per_step(_priced(delay_costs(tf, schedule.stages), self.p2p_s, form), form.step_s, schedule)
 
     def text(self) -> str:
@@ -116,11 +116,6 @@ def _priced(costs: Costs, p2p_s: float, own: RuntimeCosts) -> Costs:
     """``costs`` with every message ``p2p_s`` one way and as much of its worker's time, every gradient sum one such
     exchange, and the runtime's own costs ``own`` per action (not yet per step)."""
     return replace(costs, fixed=own.fixed, p2p_latency=p2p_s, p2p_busy=p2p_s, allreduce=p2p_s, sync_start=p2p_s)
-
-
-def splits_backward(schedule: Schedule) -> bool:
-    """Whether ``schedule`` splits its backward (runs weight-gradient actions)."""
-    return any(a.kind is Kind.W for row in schedule.actions for a in row)
 
 
 def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | None = None,

@@ -115,10 +115,10 @@ def memory_verdict(cfg: TrainConfig, chain: Any, schedule: Schedule, stage_layer
     category, against the budget, and what to change when it does not (module docstring). ``shards``: the optimizer
     state is sharded (``--shard-optimizer``), each worker priced with its share."""
     t, m = cfg.training, cfg.memory
-    if m.offload_pack and any(a.kind.spec.part_of is not None for row in schedule.actions for a in row):
+    split = schedule.splits_backward
+    if m.offload_pack and split:
         raise ConfigError(f"--offload-pack {m.offload_pack} streams a stage's weights through one backward, but a "
                           "split backward (I, then W later) needs them twice: drop --offload-pack or --split-backward")
-    split = any(a.kind.spec.part_of is not None for row in schedule.actions for a in row)
     offloads = _configured(cfg, schedule.stages, split, max(len(x) for x in stage_layers))
     pv = _post_validated(cfg, offloads)
     offloads = offloads[:1] if pv else offloads

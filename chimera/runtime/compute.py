@@ -49,8 +49,7 @@ class StageCompute:
         self.recompute = job.run.recompute
         self.keep_saved = keep_saved  # collect autograd's saved tensors for the memory ledger
         # torch.distributed.pipelining costs ~1 s of imports: only a schedule with split backwards pays it, here
-        self.split = _split_backward() if any(a.kind.spec.part_of is not None for row in job.schedule.actions
-                                               for a in row) else None
+        self.split = _split_backward() if job.schedule.splits_backward else None
         # weights offloaded: saved weights become references, resolved against the copy swapped in for the backward
         self.store = store if store is not None and store.offload.weights else None
         self.wait = store.wait if store is not None else None  # a stage's swap-in (GPU copy stream)

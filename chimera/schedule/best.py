@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from chimera.schedule.ir import Kind, Schedule, ScheduleConfigError
+from chimera.schedule.ir import Schedule, ScheduleConfigError
 from chimera.schedule.registry import build_schedule, candidates
 from chimera.schedule.simulate import Costs, Num, SimResult, peak_activations, simulate
 from chimera.schedule.steps import period as steps_period
@@ -119,7 +119,7 @@ def rank(stages: int, microbatches: int, costs: Costs, memory_limit: Num | None 
         groups = tied(s.stages) if tied is not None else ()
         per = steps_period(s, split, steps, tied=groups).period if steps > 1 else None
         out.append(Choice(label, spec.name, options, r.makespan, r.bubble, peak, not over, shares, over, s, per))
-        if by == "period" and joint and not groups and any(a.kind is Kind.W for row in s.actions for a in row):
+        if by == "period" and joint and not groups and s.splits_backward:
             split_ones.append((out[-1], split, r, chunks))  # (joint orders: untied models only)
     limits = (memory_limit, weight_memory, sharded_memory)
     return _sorted(out + (_deferred(out, split_ones, steps, limits) if split_ones else []), by)

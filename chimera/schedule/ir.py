@@ -184,6 +184,11 @@ class Schedule:
         present = {p for p, _ in self.placement}
         return tuple(p for p in PIPES if p in present)
 
+    @cached_property
+    def splits_backward(self) -> bool:
+        """Some action is a part of a split backward (an input-gradient or weight-gradient part)."""
+        return any(a.kind.spec.part_of is not None for row in self.actions for a in row)
+
     @property
     def bidirectional(self) -> bool:
         """More than the down pipe: actions carry their pipe's prefix in text form."""
