@@ -17,8 +17,11 @@ much of the worker's time to post and complete it, every send the runtime's time
 gradient sum one such exchange, every compute action the runtime's fixed time per action of its kind
 (:func:`chimera.calibrate.measure_runtime`, its blocks sleeping like the rows' actions, up to 10 ms: beyond its
 sleeps), and every step what those 1F1B steps take beyond their simulation with those costs, charged to the
-optimizer step. The calibration runs 1F1B twice, with a whole and with a split backward, on the rows' launcher;
-each row is priced with the run of its own backward's form (:class:`Calibration`). torch.pp rows keep the
+optimizer step. Where the rows' workers outnumber the machine's cores (four on the 2-core development machine,
+pinned two to a core), the runtime's own time per action holds its worker's core, in turn with the other worker
+pinned there (``Costs.cores``, :mod:`chimera.schedule.cores`); the sleeps do not. The calibration runs 1F1B twice,
+with a whole and with a split backward, on the rows' launcher; each row is priced with the run of its own
+backward's form (:class:`Calibration`). torch.pp rows keep the
 schedule-only figure: their runtime's costs are torch's, not measured here.
 
 No prediction (None) for the real-model rows: one-thread stage profiles taken on the shared 2-core development
@@ -38,6 +41,7 @@ from chimera.plan.costs import per_step
 from chimera.runtime.launch import LocalResult
 from chimera.schedule import Costs, Schedule, build_schedule, simulate
 from chimera.schedule.steps import period
+from chimera.util.cores import shared_cores
 
 #: the longest sleep the calibration runs with: the cost of waking from a sleep levels off by ~10 ms (0.54-0.67 ms
 #: per action at 10 ms, 0.62-0.70 at 25 ms, 0.15-0.19 never sleeping), and longer sleeps only lengthen it
@@ -79,6 +83,7 @@ class Calibration:
     p2p_s: float
     whole: RuntimeCosts
     split: RuntimeCosts
+    cores: tuple[int, ...] = ()
 
     @staticmethod
     def measure(workers: int, tf: float = 0.0, steps: int = CALIBRATION_STEPS,
@@ -92,30 +97,36 @@ class Calibration:
 
         sleep = min(tf, SLEEP_CAP_S)
         p2p = measure_comm_local(2, sizes=(512,), reps=200).p2p.latency_s
+        cores = shared_cores(workers)
         forms = {}
         for run in measure_runtime(workers, steps=steps, sleep_s=sleep, launch=launch, p2p_s=p2p):
             own = RuntimeCosts(tuple(run.fixed.items()))
             # the run's steps beyond their simulation with its own costs: its per-step remainder
-            step = step_remainder([run], lambda r, own=own: _priced(delay_costs(sleep, r.schedule.stages), p2p, own))
+            step = step_remainder([run], lambda r, own=own: _priced(delay_costs(sleep, r.schedule.stages), p2p, own,
+                                                                    cores))
             forms[run.split] = replace(own, step_s=step)
-        return Calibration(p2p, forms[False], forms[True])
+        return Calibration(p2p, forms[False], forms[True], cores)
 
     def costs(self, tf: float, schedule: Schedule) -> Costs:
         """The delay costs of ``schedule`` with the runtime costs of its backward's form (class docstring); the
         step's remainder on its optimizer step, or spread over each worker's post-validated stage updates
         (``chimera.plan.costs.per_step``)."""
         form = self.split if schedule.splits_backward else self.whole
-        return per_step(_priced(delay_costs(tf, schedule.stages), self.p2p_s, form), form.step_s, schedule)
+        return per_step(_priced(delay_costs(tf, schedule.stages), self.p2p_s, form, self.cores), form.step_s,
+                        schedule)
 
     def text(self) -> str:
         return (f"ping-pong one way on the runtime's p2p (shared memory; the link's limit) {self.p2p_s * 1e3:.3f} ms; "
-                f"runtime, whole backward (ms): {self.whole.text()}; split backward: {self.split.text()}")
+                f"runtime, whole backward (ms): {self.whole.text()}; split backward: {self.split.text()}"
+                + (f"; workers on cores {', '.join(map(str, self.cores))}" if self.cores else ""))
 
 
-def _priced(costs: Costs, p2p_s: float, own: RuntimeCosts) -> Costs:
+def _priced(costs: Costs, p2p_s: float, own: RuntimeCosts, cores: tuple[int, ...] = ()) -> Costs:
     """``costs`` with every message ``p2p_s`` one way and as much of its worker's time, every gradient sum one such
-    exchange, and the runtime's own costs ``own`` per action (not yet per step)."""
-    return replace(costs, fixed=own.fixed, p2p_latency=p2p_s, p2p_busy=p2p_s, allreduce=p2p_s, sync_start=p2p_s)
+    exchange, the runtime's own costs ``own`` per action (not yet per step), and the workers' ``cores`` where they
+    share them (the delay model's compute sleeps: only the runtime's own time holds a core)."""
+    return replace(costs, fixed=own.fixed, p2p_latency=p2p_s, p2p_busy=p2p_s, allreduce=p2p_s, sync_start=p2p_s,
+                   cores=cores, cpu_compute=False)
 
 
 def predicted_step_s(w: Workload, system: str, schedule: str, sched: Schedule | None = None,

@@ -117,3 +117,19 @@ def test_a_row_is_priced_with_the_calibration_run_of_its_backward():
     assert c.costs(0.002, whole).fixed == (("F", 1e-4), ("B", 2e-4))
     assert c.costs(0.002, split).fixed == (("F", 4e-4),)
     assert c.costs(0.002, split).optimizer - c.costs(0.002, whole).optimizer == pytest.approx(1e-3)  # its step
+
+
+def test_a_row_whose_workers_share_cores_is_priced_with_their_turns():
+    """``Calibration.cores`` (four workers on two cores, as the runtime pins them): Chimera's workers 0 and 2 both
+    compute at once, so its rows are predicted longer than with a core each; only the runtime's own time holds a
+    core (the delay model's compute sleeps)."""
+    from bench.predict import Calibration, RuntimeCosts
+    from chimera.schedule import build_schedule, lower, simulate
+
+    own = RuntimeCosts((("F", 3e-4), ("B", 4e-4), ("SEND_F", 6e-5), ("SEND_B", 6e-5)))
+    alone, shared = Calibration(3e-5, own, own), Calibration(3e-5, own, own, cores=(0, 1, 0, 1))
+    sched = lower(build_schedule("chimera", 4, 8))
+    costs = shared.costs(0.0005, sched)
+    assert (costs.cores, costs.cpu_compute) == ((0, 1, 0, 1), False)
+    longer = simulate(sched, costs).makespan - simulate(sched, alone.costs(0.0005, sched)).makespan
+    assert 0 < longer < 8 * 7e-4  # some turns waited, far fewer than every action's

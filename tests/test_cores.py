@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import chimera
-from chimera.util.cores import core_sets, usable_cores
+import chimera.util.cores as cores_module
+from chimera.util.cores import core_sets, shared_cores, usable_cores
 
 
 def test_core_sets_round_robin_where_the_workers_fill_the_cores():
@@ -24,6 +25,14 @@ def test_core_sets_round_robin_where_the_workers_fill_the_cores():
     assert core_sets([0, 1], 1, 4) == [{0, 1}]  # more threads than cores: all of them
     assert core_sets([0, 1, 2, 3], 2, 1) is None  # cores to spare: the kernel places them
     assert core_sets([], 4, 1) is None
+
+
+def test_shared_cores_names_each_worker_s_core_only_where_workers_share_them(monkeypatch):
+    """What the simulator's ``Costs.cores`` gets: the runtime's pinning where some worker shares its core, else ()."""
+    monkeypatch.setattr(cores_module, "usable_cores", lambda: [3, 7])
+    assert shared_cores(4) == (3, 7, 3, 7)
+    assert shared_cores(3) == (3, 7, 3)
+    assert shared_cores(2) == () and shared_cores(1) == ()  # a core each
 
 
 def test_pin_process_pins_the_threads_started_before_and_after():

@@ -207,3 +207,50 @@ def test_communication_busy_time_occupies_the_worker():
     dp = lower(build_schedule("1f1b", 1, 1, data_parallel=2))
     assert simulate(dp, Costs(fwd=1, bwd=1, allreduce=3)).makespan == 5
     assert simulate(dp, Costs(fwd=1, bwd=1, allreduce=3, sync_start=[1], sync_wait=[2])).makespan == 8
+
+
+def test_workers_sharing_a_core_take_it_in_turn():
+    """Chimera at D = 2, N = 2, both workers on one core; F sleeps 4 and B 8 beyond the runtime's 1 each (the part that
+    holds the core). By hand: at 0 both forwards are ready, worker 0 (lower index) holds the core for 1, worker 1
+    starts at 1; at 6 both next forwards are ready, worker 1 again one behind; the last backwards both wait for
+    worker 1's d1B0 (ends 21), worker 1's a unit behind: 31, against 28 with a core each. With the compute on the
+    CPU too, the core never idles: 2 x (5 + 5 + 9 + 9) = 56."""
+    s = build_schedule("chimera", 2, 2)
+    base = Costs(fwd=4, bwd=8, fixed=(("F", 1), ("B", 1)))
+    assert simulate(s, base).makespan == 28
+    assert simulate(s, dataclasses.replace(base, cores=(0, 1), cpu_compute=False)).makespan == 28
+    r = simulate(s, dataclasses.replace(base, cores=(0, 0), cpu_compute=False))
+    assert (r.makespan, r.starts) == (31, [[0, 6, 11, 21], [1, 7, 12, 22]])
+    r = simulate(s, dataclasses.replace(base, cores=(0, 0)))
+    assert (r.makespan, r.starts) == (56, [[0, 10, 20, 38], [5, 15, 29, 47]])
+    with pytest.raises(ValueError, match="one per worker"):
+        simulate(s, dataclasses.replace(base, cores=(0, 0, 1)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases(), st.data())
+def test_workers_on_cores_time_every_action_once_its_core_is_free(case, data):
+    """The event-ordered pass (``Costs.cores``): with a core each it times as the replay does; with shared cores
+    no action ends earlier than with a core each, and no two actions hold one core at once (an action holds it from
+    its duration's start, for its core time)."""
+    s, costs = case
+    assume(not Replay(s).stuck)
+    plain = simulate(s, costs)
+    own = simulate(s, dataclasses.replace(costs, cores=tuple(range(s.workers))))
+    assert (own.starts, own.ends) == (plain.starts, plain.ends)
+    n = data.draw(st.integers(1, max(1, s.workers - 1)))
+    cores = tuple(data.draw(st.integers(0, n - 1)) for _ in range(s.workers))
+    shared = dataclasses.replace(costs, cores=cores, cpu_compute=data.draw(st.booleans()),
+                                 fixed=(("F", Fraction(1, 2)), ("B", 1)))
+    r, alone = simulate(s, shared), simulate(s, dataclasses.replace(shared, cores=()))
+    holds = defaultdict(list)
+    for w, row in enumerate(s.actions):
+        for a, end, end_alone in zip(row, r.ends[w], alone.ends[w]):
+            assert end >= end_alone
+            took = shared.worker_time(a, s.microbatch_scale)
+            hold = min(shared.core_time(a, s.microbatch_scale), took)
+            if hold:
+                holds[cores[w]].append((end - took, end - took + hold))
+    for spans in holds.values():
+        spans.sort()
+        assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))

@@ -30,6 +30,7 @@ from math import lcm
 from operator import sub
 from typing import Any
 
+from chimera.schedule.cores import times_on_cores
 from chimera.schedule.ir import Action, Schedule
 from chimera.schedule.kinds import ACTIVATION_MEMORY, SPECS, Address, Kind, Msg, Res, Role
 from chimera.schedule.kinds import message as message_of
@@ -67,6 +68,11 @@ class Costs:
     seconds)`` pairs (``("F", 2e-4)``: dispatching a forward, running the stage's Python, stashing): charged once
     per action (not per micro-batch of a doubled one) on top of its cost; measured by
     :func:`chimera.calibrate.measure_action_costs`.
+
+    ``cores``: where workers share CPU cores, the core each worker runs on (one entry per worker; empty: a core
+    each). Then an action holds its worker's core for its worker time, except that a compute action or an
+    optimizer step holds it only for its ``fixed`` time unless ``cpu_compute`` (their work runs on the CPU, not on
+    a device, in a sleep, or in what a step pays beyond its actions); see :mod:`chimera.schedule.cores`.
     """
 
     fwd: Num | Sequence[Num] = 1
@@ -85,6 +91,8 @@ class Costs:
     sync_wait: Num | Sequence[Num] = 0
     extra: tuple[tuple[str, Any], ...] = ()
     fixed: tuple[tuple[str, Num], ...] = ()
+    cores: tuple[int, ...] = ()
+    cpu_compute: bool = True
 
     def field_value(self, name: str) -> Num | Sequence[Num]:
         """The cost field ``name``: one of the fields above, else an ``extra`` one (0 where none is given)."""
@@ -119,6 +127,14 @@ class Costs:
             t = t + dict(self.fixed).get(a.kind.value, 0)
         return t
 
+    def core_time(self, a: Action, scale: Num = 1) -> Num:
+        """How long ``a`` holds its worker's core where workers share cores (``cores``): its :meth:`worker_time`,
+        or for a compute action or an optimizer step whose work is not on the CPU (``cpu_compute`` False) its
+        ``fixed`` time alone."""
+        if self.cpu_compute or SPECS[a.kind].role not in (Role.COMPUTE, Role.UPDATE):
+            return self.worker_time(a, scale)
+        return dict(self.fixed).get(a.kind.value, 0)
+
     def first_stage_whole_backward(self, stages: int) -> Costs:
         """These costs as the runtime splits a backward over ``stages`` stages: the first stage's inputs are data,
         which need no gradient, so its input-gradient part (I) computes nothing and its weight-gradient part (W)
@@ -141,7 +157,7 @@ class Costs:
         return self.p2p_latency + size / self.p2p_bandwidth
 
 
-_FIELDS = {f.name for f in dataclasses.fields(Costs)} - {"extra", "copy_overlap", "fixed"}
+_FIELDS = {f.name for f in dataclasses.fields(Costs)} - {"extra", "copy_overlap", "fixed", "cores", "cpu_compute"}
 
 
 @dataclass(frozen=True)
@@ -270,22 +286,29 @@ class Simulator:
         """Simulate one iteration with ``costs`` (default :class:`Costs`)."""
         c = costs or Costs()
         p = self._plan
+        scale = self.schedule.microbatch_scale
         beside = c.copy_overlap  # a prefetch's cost moves from the worker to the wait of the compute after it
-        duration = [0, *(0 if beside and SPECS[a.kind].role is Role.PREFETCH
-                         else c.worker_time(a, self.schedule.microbatch_scale)
+        duration = [0, *(0 if beside and SPECS[a.kind].role is Role.PREFETCH else c.worker_time(a, scale)
                          for a in p.durations)]
+        if c.cores and len(c.cores) != self.schedule.workers:
+            raise ValueError(f"Costs.cores names a core for each of {len(c.cores)} workers; {self.schedule.name} "
+                             f"has {self.schedule.workers}: give one per worker, or none (a core each)")
         allreduce = [0] * p.stages
         for s in p.synced:
             allreduce[s] = c.stage_value(c.allreduce, s)
         fetch = [c.stage_value(c.swap_in, s) if beside else 0 for s in range(p.stages)]
         delay = [0, *allreduce, *fetch, *(c.message(k) for k in p.messages)]
-        unit = _common_denominator(duration + delay)
+        cpu = [0, *(min(c.core_time(a, scale), d) for a, d in zip(p.durations, duration[1:]))] if c.cores else []
+        unit = _common_denominator(duration + delay + cpu)
         if unit is not None:  # exact: integers in units of 1/unit
-            duration = [int(v.numerator) * (unit // int(v.denominator)) for v in duration]
-            delay = [int(v.numerator) * (unit // int(v.denominator)) for v in delay]
-        elif all(isinstance(v, numbers.Real) for v in duration + delay):
-            duration, delay = [float(v) for v in duration], [float(v) for v in delay]
-        starts, ends = p.times(duration, delay)
+            duration, delay, cpu = ([int(v.numerator) * (unit // int(v.denominator)) for v in vs]
+                                    for vs in (duration, delay, cpu))
+        elif all(isinstance(v, numbers.Real) for v in duration + delay + cpu):
+            duration, delay, cpu = ([float(v) for v in vs] for vs in (duration, delay, cpu))
+        if c.cores:
+            starts, ends = times_on_cores(p, duration, cpu, delay, c.cores)
+        else:
+            starts, ends = p.times(duration, delay)
         return self._result(starts, ends, unit)
 
     def _result(self, starts: list[Num], ends: list[Num], unit: int | None) -> SimResult:

@@ -45,6 +45,15 @@ def core_sets(cores: Sequence[int], workers: int, threads: int) -> list[frozense
     return [frozenset(cores[(i * threads + j) % n] for j in range(min(threads, n))) for i in range(workers)]
 
 
+def shared_cores(workers: int) -> tuple[int, ...]:
+    """The core each of ``workers`` one-thread workers on this host is pinned to where some share a core (the
+    simulator's ``Costs.cores``), else ``()``: a core each."""
+    sets = core_sets(usable_cores(), workers, 1)
+    if sets is None or workers <= len(usable_cores()):
+        return ()
+    return tuple(min(s) for s in sets)
+
+
 def pin_worker(index: int, workers: int, threads: int) -> frozenset[int] | None:
     """Pin this process as worker ``index`` of ``workers`` on this host (``threads`` torch threads each); its cores,
     or None where the workers leave cores free (nothing pinned)."""
