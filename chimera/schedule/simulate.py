@@ -301,10 +301,11 @@ class Simulator:
         cpu = [0, *(min(c.core_time(a, scale), d) for a, d in zip(p.durations, duration[1:]))] if c.cores else []
         unit = _common_denominator(duration + delay + cpu)
         if unit is not None:  # exact: integers in units of 1/unit
-            duration, delay, cpu = ([int(v.numerator) * (unit // int(v.denominator)) for v in vs]
-                                    for vs in (duration, delay, cpu))
+            duration = [int(v.numerator) * (unit // int(v.denominator)) for v in duration]
+            delay = [int(v.numerator) * (unit // int(v.denominator)) for v in delay]
+            cpu = [int(v.numerator) * (unit // int(v.denominator)) for v in cpu]
         elif all(isinstance(v, numbers.Real) for v in duration + delay + cpu):
-            duration, delay, cpu = ([float(v) for v in vs] for vs in (duration, delay, cpu))
+            duration, delay, cpu = [float(v) for v in duration], [float(v) for v in delay], [float(v) for v in cpu]
         if c.cores:
             starts, ends = times_on_cores(p, duration, cpu, delay, c.cores)
         else:
