@@ -5,8 +5,10 @@ CPU work runs on ``core[w]``, one action's at a time: each action's first ``cpu`
 worker's core (the runtime dispatching it, posting its messages, a CPU stage's compute); what is left (a sleep, a
 device's compute) does not. An action takes its core when it is ready (its worker free, its inputs there) and the
 core is free; actions take a core in the order they become ready (first come, first served, no preemption, ties by
-flat index), as a kernel runs a woken thread whose action is shorter than its time slice. So the pass follows time:
-a heap of the actions whose worker and inputs are done, instead of one sweep over the replay's order.
+flat index). That is an approximation: Linux may let a woken thread preempt the running one instead (holding the
+core at the end of an action, after its sleep, predicted the benchmark's rows no better: ``bench/RESULTS.md``, issue
+29's sixteenth round). The pass follows time: a heap of the actions whose worker and inputs are done, instead of
+one sweep over the replay's order.
 
 On the 2-core development machine with four workers pinned two to a core (``chimera.util.cores.core_sets``), this
 is what a pipeline of short actions waits for: a receiver woken while the other worker on its core computes waits
