@@ -48,8 +48,9 @@ def core_sets(cores: Sequence[int], workers: int, threads: int) -> list[frozense
 def shared_cores(workers: int) -> tuple[int, ...]:
     """The core each of ``workers`` one-thread workers on this host is pinned to where some share a core (the
     simulator's ``Costs.cores``), else ``()``: a core each."""
-    sets = core_sets(usable_cores(), workers, 1)
-    if sets is None or workers <= len(usable_cores()):
+    cores = usable_cores()
+    sets = core_sets(cores, workers, 1)
+    if sets is None or workers == len(cores):
         return ()
     return tuple(min(s) for s in sets)
 
