@@ -11,7 +11,8 @@ LoopedBFS) the compute order torch's schedule object itself runs (its ``pipeline
 ``bench.torchpp_runner.compute_order``).
 
 Chimera rows are predicted with the runtime's own costs too (:class:`Calibration`, measured per workload once its
-rows' processes are up, so that their idle load is in it): the lowered schedule the job runs, every message the
+rows' processes are up, so that their idle load is in it, right before and right after the rows' steps, and
+averaged: :meth:`Calibration.mean`): the lowered schedule the job runs, every message the
 one-way time of a ping-pong between two processes of this machine over the runtime's p2p (shared memory), and as
 much of the worker's time to post and complete it, every send the runtime's time per send beyond that, every
 gradient sum one such exchange, every compute action the runtime's fixed time per action of its kind
@@ -107,6 +108,18 @@ class Calibration:
             forms[run.split] = replace(own, step_s=step)
         return Calibration(p2p, forms[False], forms[True], cores)
 
+    def mean(self, other: Calibration) -> Calibration:
+        """The mean of two calibrations of one workload, figure by figure: the benchmark measures one right before
+        its rows' steps and one right after them, so that the pair brackets the rows' window. A calibration run's
+        figures move from one job to the next by more than its steps' spread (at tf = 0.5 ms the per-step remainder
+        read 2.1-3.4 ms in runs of 32 steps and 2.5-3.4 ms in runs of 128), and the machine drifts while the rows
+        run: with one calibration before the rows, 13 of 24 row predictions were within 3 %, with the mean of the
+        pair 15 (``bench/RESULTS.md``, eighteenth round)."""
+        if self.cores != other.cores:
+            raise ValueError(f"calibrations on different cores ({self.cores} and {other.cores}) do not average")
+        return Calibration((self.p2p_s + other.p2p_s) / 2, _mean(self.whole, other.whole),
+                           _mean(self.split, other.split), self.cores)
+
     def costs(self, tf: float, schedule: Schedule) -> Costs:
         """The delay costs of ``schedule`` with the runtime costs of its backward's form (class docstring); the
         step's remainder on its optimizer step, or spread over each worker's post-validated stage updates
@@ -119,6 +132,15 @@ class Calibration:
         return (f"ping-pong one way on the runtime's p2p (shared memory; the link's limit) {self.p2p_s * 1e3:.3f} ms; "
                 f"runtime, whole backward (ms): {self.whole.text()}; split backward: {self.split.text()}"
                 + (f"; workers on cores {', '.join(map(str, self.cores))}" if self.cores else ""))
+
+
+def _mean(a: RuntimeCosts, b: RuntimeCosts) -> RuntimeCosts:
+    """Per kind the mean of the two runs' fixed seconds (a kind only one of them measured: its figure), and the mean
+    of their per-step remainders."""
+    fa, fb = dict(a.fixed), dict(b.fixed)
+    kinds = dict.fromkeys([*fa, *fb])
+    return RuntimeCosts(tuple((k, (fa.get(k, fb.get(k, 0.0)) + fb.get(k, fa.get(k, 0.0))) / 2) for k in kinds),
+                        (a.step_s + b.step_s) / 2)
 
 
 def _priced(costs: Costs, p2p_s: float, own: RuntimeCosts, cores: tuple[int, ...] = ()) -> Costs:

@@ -20,7 +20,8 @@ between the first step's results and the last's, the consecutive steps run back 
 actor, ``RayJob.steps(..., per_call=)``). A worker that finishes a step starts the next at once on both sides,
 so a schedule whose workers idle at the start and the end of a step may overlap consecutive steps. Predictions:
 the simulator's period of consecutive steps (``chimera.schedule.steps``) on the same schedule
-(``bench/predict.py``). Ratios: to torch.pp's 1F1B and to the fastest torch.pp row of the workload.
+(``bench/predict.py``), chimera's rows with the runtime's costs as calibrated right before and right after the
+rows' steps (their mean). Ratios: to torch.pp's 1F1B and to the fastest torch.pp row of the workload.
 
 Usage: python bench/vs_torch_pipelining.py [--reps 5] [--quick] [--workloads delay-d4-n4,...] [--json PATH]
 """
@@ -54,7 +55,8 @@ from chimera.schedule.registry import get as schedule_spec  # noqa: E402
 
 CHIMERA_SCHEDULES = ["chimera", "1f1b", "gpipe", "auto"]
 RUN = 5  # consecutive steps timed per row and repetition (after one untimed step): --run-steps
-QUICK_CALIBRATION_STEPS = 12  # --quick: steps per calibration run (a noisier per-step remainder, half the time)
+QUICK_CALIBRATION_STEPS = 12  # --quick: steps per calibration run (a noisier per-step remainder, half the time), and
+# one calibration (before the rows), not two
 
 
 def steps_per_rep(run: int) -> int:
@@ -90,11 +92,13 @@ def rows_of(w: Workload, only: set[str] | None = None) -> list[dict[str, Any]]:
 
 
 def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] | None = None,
-                 calibrate: bool = False, run: int = RUN, calibration_steps: int = CALIBRATION_STEPS
-                 ) -> tuple[list[dict[str, Any]], Calibration | None]:
+                 calibrate: bool = False, run: int = RUN, calibration_steps: int = CALIBRATION_STEPS,
+                 bracket: bool = True) -> tuple[list[dict[str, Any]], Calibration | None]:
     """Start both systems for ``w``, alternate steps over the rows, return the rows with their times and, with
     ``calibrate`` (a delay workload), the runtime's costs measured for ``w`` once its rows are up
-    (:func:`calibrate_for`, ``calibration_steps`` per calibration run)."""
+    (:func:`calibrate_for`, ``calibration_steps`` per calibration run): the mean of one calibration right before
+    the rows' steps and one right after them (:meth:`Calibration.mean`), or with ``bracket`` False (``--quick``)
+    the one before."""
     rows = rows_of(w, only)
     live = [r for r in rows if not r["note"]]
     torch_names = [r["schedule"] for r in live if r["system"] == "torch.pp"]
@@ -117,8 +121,11 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
         runners: dict[tuple[str, str], Any] = {("torch.pp", n): group for n in torch_names}
         runners.update({("chimera", n): c for n, c in chimera_rows.items()})
         log(f"  {w.name}: started {len(live)} rows in {time.perf_counter() - t_start:.1f} s")
-        calibration = calibrate_for(w, log, calibration_steps) if calibrate and w.is_delay else None
+        calibrate = calibrate and w.is_delay
+        calibration = calibrate_for(w, log, calibration_steps, "before the rows") if calibrate else None
         alternate(live, runners, reps, warmup, run=run)
+        if calibration is not None and bracket:
+            calibration = calibration.mean(calibrate_for(w, log, calibration_steps, "after the rows"))
         for r in live:
             runner = runners[(r["system"], r["schedule"])]
             r["peak_rss_mib"] = peak_rss_mib(runner.pids)
@@ -135,7 +142,7 @@ def run_workload(w: Workload, reps: int, warmup: int, log: Any, only: set[str] |
     return rows, calibration
 
 
-def calibrate_for(w: Workload, log: Any, steps: int = CALIBRATION_STEPS) -> Calibration:
+def calibrate_for(w: Workload, log: Any, steps: int = CALIBRATION_STEPS, when: str = "") -> Calibration:
     """The runtime's costs for delay workload ``w`` (its D workers, sleeping like its actions), measured while its
     rows' processes are up and idle, as they are while any one row runs: the idle actors' own wake-ups and
     threads (56 of them for seven rows at D = 8) load the two cores the rows run on, and a calibration taken before
@@ -143,7 +150,8 @@ def calibrate_for(w: Workload, log: Any, steps: int = CALIBRATION_STEPS) -> Cali
     actor's step costs more than a local process's (~4 ms of ~83 at tf = 2 ms on the development machine)."""
     t0 = time.perf_counter()
     calibration = Calibration.measure(w.stages, float(w.tf or 0.0), steps, launch=run_on_ray)
-    log(f"  {w.name}: calibration in {time.perf_counter() - t0:.1f} s: {calibration.text()}")
+    log(f"  {w.name}: calibration in {time.perf_counter() - t0:.1f} s{f' ({when})' if when else ''}: "
+        f"{calibration.text()}")
     return calibration
 
 
@@ -183,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5, help="measured repetitions per row")
     ap.add_argument("--warmup", type=int, default=2, help="discarded repetitions per row")
-    ap.add_argument("--quick", action="store_true", help="one measured repetition (and one warm-up) per row")
+    ap.add_argument("--quick", action="store_true", help="one measured repetition (and one warm-up) per row; one calibration, before the rows, of "
+                         f"{QUICK_CALIBRATION_STEPS} steps per run")
     ap.add_argument("--run-steps", type=int, default=RUN,
                     help="consecutive steps timed per repetition, after one untimed step (their mean is the step time)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {', '.join(WORKLOADS)}")
@@ -231,11 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for w in workloads:
             rows, calibration = run_workload(w, reps, warmup, log, only, not args.no_calibrate, args.run_steps,
-                                             QUICK_CALIBRATION_STEPS if args.quick else CALIBRATION_STEPS)
+                                             QUICK_CALIBRATION_STEPS if args.quick else CALIBRATION_STEPS,
+                                             bracket=not args.quick)
             finish(rows, w)
             all_rows.extend(rows)
             if calibration is not None:
-                calibrations.append(f"- calibration, {w.name} (its rows up): {calibration.text()}")
+                when = "before" if args.quick else "mean of one before and one after"
+                when = f"its rows up: {when} their steps"
+                calibrations.append(f"- calibration, {w.name} ({when}): {calibration.text()}")
     finally:
         ray.shutdown()
     header = (f"# vs torch.distributed.pipelining: {reps} measured + {warmup} warm-up repetitions per row, "

@@ -159,3 +159,22 @@ def test_the_calibration_measures_each_backward_form_on_its_own():
     for run in (whole, split):
         assert 0 < run.fixed["SEND_F"] == run.fixed["SEND_B"] < 0.05 and 0 < run.step_s < 1
         assert any(a.kind.value == "W" for row in run.schedule.actions for a in row) is run.split
+
+
+def test_the_benchmarks_two_calibrations_average_figure_by_figure():
+    """``bench.predict.Calibration.mean``: the benchmark's calibrations before and after the rows, averaged per kind
+    (a kind one side lacks keeps the other's figure), per step and for the link; and so is the prediction's price."""
+    from bench.predict import Calibration, RuntimeCosts
+
+    a = Calibration(1e-4, RuntimeCosts((("F", 4e-4), ("B", 6e-4)), 2e-3), RuntimeCosts((("F", 4e-4), ("I", 5e-4)), 1e-3),
+                    (0, 1))
+    b = Calibration(3e-4, RuntimeCosts((("F", 2e-4), ("B", 2e-4)), 4e-3), RuntimeCosts((("F", 6e-4), ("W", 1e-4)), 0.0),
+                    (0, 1))
+    m = a.mean(b)
+    assert m.p2p_s == pytest.approx(2e-4) and m.cores == (0, 1)
+    assert dict(m.whole.fixed) == pytest.approx({"F": 3e-4, "B": 4e-4}) and m.whole.step_s == pytest.approx(3e-3)
+    assert dict(m.split.fixed) == pytest.approx({"F": 5e-4, "I": 5e-4, "W": 1e-4}) and m.split.step_s == 5e-4
+    sched = build_schedule("1f1b", 2, 4)
+    assert m.costs(0.01, sched).fixed == m.whole.fixed  # a whole backward priced with the whole runs' mean
+    with pytest.raises(ValueError, match="different cores"):
+        a.mean(Calibration(1e-4, a.whole, a.split, (0, 0)))

@@ -48,8 +48,9 @@ def test_vs_torch_pipelining_smoke(tmp_path):
     zbv = next(r for r in rows if r["schedule"] == "zbvzerobubble")
     assert zbv["predicted_step_s"] == pytest.approx(15 * 0.01), zbv  # 12 tf of work per rank, 3 tf of bubble
     # chimera's rows: predicted with the runtime's costs, calibrated for the workload once its rows were up
-    assert "- calibration, delay-d4-n4 (its rows up): ping-pong one way on the runtime's p2p" in proc.stdout
-    assert "delay-d4-n4: calibration in " in proc.stderr
+    assert "- calibration, delay-d4-n4 (its rows up: before their steps): ping-pong one way" in proc.stdout
+    assert "delay-d4-n4: calibration in " in proc.stderr and "(before the rows)" in proc.stderr
+    assert "(after the rows)" not in proc.stderr  # --quick: one calibration
     from bench.chimera_runner import chimera_config
     from bench.predict import predicted_step_s
     from bench.workloads import WORKLOADS
