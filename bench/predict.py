@@ -113,8 +113,10 @@ class Calibration:
         its rows' steps and one right after them, so that the pair brackets the rows' window. A calibration run's
         figures move from one job to the next by more than its steps' spread (at tf = 0.5 ms the per-step remainder
         read 2.1-3.4 ms in runs of 32 steps and 2.5-3.4 ms in runs of 128), and the machine drifts while the rows
-        run: with one calibration before the rows, 13 of 24 row predictions were within 3 %, with the mean of the
-        pair 15 (``bench/RESULTS.md``, eighteenth round)."""
+        run. Over 17 runs in a noisy hour (51 row predictions at tf = 0, 0.5 and 2 ms), the mean absolute error was
+        3.9 % with the calibration before the rows, 3.3 % with the mean of the pair (the largest 16.9 against
+        13.1 %; within 3 %: 29 against 30 of 51; ``bench/RESULTS.md``, eighteenth round): a small gain, for
+        one more calibration (~20 s) per workload."""
         if self.cores != other.cores:
             raise ValueError(f"calibrations on different cores ({self.cores} and {other.cores}) do not average")
         return Calibration((self.p2p_s + other.p2p_s) / 2, _mean(self.whole, other.whole),
