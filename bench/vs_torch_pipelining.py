@@ -55,8 +55,8 @@ from chimera.schedule.registry import get as schedule_spec  # noqa: E402
 
 CHIMERA_SCHEDULES = ["chimera", "1f1b", "gpipe", "auto"]
 RUN = 5  # consecutive steps timed per row and repetition (after one untimed step): --run-steps
-QUICK_CALIBRATION_STEPS = 12  # --quick: steps per calibration run (a noisier per-step remainder, half the time), and
-# one calibration (before the rows), not two
+#: --quick: steps per calibration run (a noisier per-step remainder, half the time), one calibration (before the rows)
+QUICK_CALIBRATION_STEPS = 12
 
 
 def steps_per_rep(run: int) -> int:
@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5, help="measured repetitions per row")
     ap.add_argument("--warmup", type=int, default=2, help="discarded repetitions per row")
-    ap.add_argument("--quick", action="store_true", help="one measured repetition (and one warm-up) per row; one calibration, before the rows, of "
+    ap.add_argument("--quick", action="store_true",
+                    help="one measured repetition (and one warm-up) per row; one calibration, before the rows, of "
                          f"{QUICK_CALIBRATION_STEPS} steps per run")
     ap.add_argument("--run-steps", type=int, default=RUN,
                     help="consecutive steps timed per repetition, after one untimed step (their mean is the step time)")
