@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from bench.workloads import Workload
-from chimera.calibrate import sleeps
+from chimera.calibrate import mean_by_kind, sleeps
 from chimera.job import Job
 from chimera.plan.costs import per_step
 from chimera.runtime.launch import LocalResult
@@ -137,12 +137,9 @@ class Calibration:
 
 
 def _mean(a: RuntimeCosts, b: RuntimeCosts) -> RuntimeCosts:
-    """Per kind the mean of the two runs' fixed seconds (a kind only one of them measured: its figure), and the mean
-    of their per-step remainders."""
-    fa, fb = dict(a.fixed), dict(b.fixed)
-    kinds = dict.fromkeys([*fa, *fb])
-    return RuntimeCosts(tuple((k, (fa.get(k, fb.get(k, 0.0)) + fb.get(k, fa.get(k, 0.0))) / 2) for k in kinds),
-                        (a.step_s + b.step_s) / 2)
+    """Per kind the mean of the two runs' fixed seconds (:func:`chimera.calibrate.mean_by_kind`: a kind only one of
+    them measured keeps its figure), and the mean of their per-step remainders."""
+    return RuntimeCosts(tuple(mean_by_kind([dict(a.fixed), dict(b.fixed)]).items()), (a.step_s + b.step_s) / 2)
 
 
 def _priced(costs: Costs, p2p_s: float, own: RuntimeCosts, cores: tuple[int, ...] = ()) -> Costs:

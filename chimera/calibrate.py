@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -132,9 +132,14 @@ def send_times(events: Sequence[Event], p2p_s: float = 0.0) -> list[float]:
 
 def pooled(runs: Sequence[RuntimeRun]) -> dict[str, float]:
     """The runs' costs as one: per kind the mean of the runs' figures (B from the whole backward, I and W from the
-    split one)."""
-    kinds = dict.fromkeys(k for r in runs for k in r.fixed)
-    return {k: statistics.fmean(r.fixed[k] for r in runs if k in r.fixed) for k in kinds}
+    split one; :func:`mean_by_kind`)."""
+    return mean_by_kind([r.fixed for r in runs])
+
+
+def mean_by_kind(figures: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Per kind, the mean of the figures that have it (a kind only some measured: the mean of those)."""
+    kinds = dict.fromkeys(k for f in figures for k in f)
+    return {k: statistics.fmean(f[k] for f in figures if k in f) for k in kinds}
 
 
 def step_remainder(runs: Sequence[RuntimeRun], costs: Callable[[RuntimeRun], Costs]) -> float:
