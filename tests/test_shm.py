@@ -20,6 +20,7 @@ import torch.distributed as dist
 from chimera.util import shm
 from chimera.util.processes import LocalProcesses
 from chimera.util.shm import MAX_MESSAGE_BYTES, RING_BYTES, ShmChannels
+from chimera.util.shm_ring import Channel
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory p2p needs Linux on x86-64")
 
@@ -86,6 +87,35 @@ def _ordered(rank: int, chans: ShmChannels) -> Any:
 def test_messages_match_receives_in_posting_order_and_a_full_ring_does_not_block_the_sender():
     got = _ok(_run(_ordered))
     assert got[1] == [True] * len(_sizes())
+
+
+def test_a_ring_emptied_anywhere_keeps_room_for_half_its_bytes_of_small_messages(tmp_path):
+    """A send on an empty ring writes at once, whatever position the ring was emptied at: restarting at the front
+    marks the bytes skipped as used until the receiver passes them, so a restart near the front once left a ring of
+    tiny messages full after one message, and the next send waited for the background thread's poll."""
+    path = str(tmp_path / "ring")
+    writer = Channel(path, create=True)
+    reader = Channel(path, create=False)
+    msg = torch.arange(64, dtype=torch.uint8)  # 128 ring bytes with its header
+    per_half = (writer.ring // 2) // 128
+    out = torch.empty(64, dtype=torch.uint8)
+    at = 0  # messages through the ring so far
+    try:
+        for emptied_at in (1, 2, 3, 64, per_half - 1, per_half, per_half + 1, 2 * per_half - 1, 2 * per_half + 2):
+            while at < emptied_at:  # one message on at a time: the ring empty at the next position
+                assert writer.try_write(msg) and reader.try_read(out, 64)
+                at += 1
+            fits = 0
+            while fits < per_half - 1 and writer.try_write(msg):
+                fits += 1
+            assert fits == per_half - 1, f"emptied after {emptied_at} messages, the ring took {fits} more"
+            for _ in range(fits):
+                assert reader.try_read(out, 64) and torch.equal(out, msg)
+            assert not reader.try_read(out, 64)
+            at += fits
+    finally:
+        reader.close()
+        writer.close()
 
 
 def _large_and_missing(rank: int, chans: ShmChannels) -> Any:

@@ -108,8 +108,11 @@ class Channel:
         head, tail, ring = self.head.value, self.tail.value, self.ring
         pos = head % ring
         skip = 0
-        if head == tail and 0 < need <= pos or ring - pos < need:  # empty: start over (few pages touched);
-            skip = ring - pos  # or wrap (a message never straddles the end; need <= ring / 2)
+        # wrap where the message does not fit before the end (it never straddles it; need <= ring / 2), or start
+        # over when the ring is empty past its middle (fewer pages touched). Not earlier: the skipped bytes count as
+        # used until the receiver passes them, and a restart at position p leaves p - need free (at p = need, none)
+        if head == tail and pos >= ring // 2 or ring - pos < need:
+            skip = ring - pos
         if ring - (head - tail) < skip + need:
             return False
         if skip:
