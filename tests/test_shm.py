@@ -90,9 +90,10 @@ def test_messages_match_receives_in_posting_order_and_a_full_ring_does_not_block
 
 
 def test_a_ring_emptied_anywhere_keeps_room_for_half_its_bytes_of_small_messages(tmp_path):
-    """A send on an empty ring writes at once, whatever position the ring was emptied at: restarting at the front
-    marks the bytes skipped as used until the receiver passes them, so a restart near the front once left a ring of
-    tiny messages full after one message, and the next send waited for the background thread's poll."""
+    """A send on an empty ring writes at once, whatever position the ring was emptied at, and the ring takes half
+    its bytes of small messages: bytes skipped to start over at the front count as used until the receiver passes
+    them, so starting over whenever the ring was empty once left a ring of tiny messages full after one message, and
+    the next send waited for the background thread's poll."""
     path = str(tmp_path / "ring")
     writer = Channel(path, create=True)
     reader = Channel(path, create=False)
@@ -116,6 +117,18 @@ def test_a_ring_emptied_anywhere_keeps_room_for_half_its_bytes_of_small_messages
     finally:
         reader.close()
         writer.close()
+    big = Channel(str(tmp_path / "big"), create=True, max_message=2**20)  # a ring of two of its largest messages
+    peer = Channel(str(tmp_path / "big"), create=False)
+    large, got = torch.ones(2**20, dtype=torch.uint8), torch.empty(2**20, dtype=torch.uint8)
+    try:
+        for emptied_at in range(4):
+            assert big.try_write(large) and big.try_write(large), f"emptied after {emptied_at}: not two messages"
+            assert not big.try_write(large)
+            assert peer.try_read(got, 2**20) and peer.try_read(got, 2**20) and not peer.try_read(got, 2**20)
+            assert big.try_write(large) and peer.try_read(got, 2**20)  # one message on
+    finally:
+        peer.close()
+        big.close()
 
 
 def _large_and_missing(rank: int, chans: ShmChannels) -> Any:

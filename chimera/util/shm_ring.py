@@ -108,10 +108,10 @@ class Channel:
         head, tail, ring = self.head.value, self.tail.value, self.ring
         pos = head % ring
         skip = 0
-        # wrap where the message does not fit before the end (it never straddles it; need <= ring / 2), or start
-        # over when the ring is empty past its middle (fewer pages touched). Not earlier: the skipped bytes count as
-        # used until the receiver passes them, and a restart at position p leaves p - need free (at p = need, none)
-        if head == tail and pos >= ring // 2 or ring - pos < need:
+        # wrap where the message does not fit before the end (it never straddles it; need <= ring / 2), and only
+        # there: the bytes skipped count as used until the receiver passes them (an empty ring started over at
+        # position p has p - need free: at p = need, none)
+        if ring - pos < need:
             skip = ring - pos
         if ring - (head - tail) < skip + need:
             return False
