@@ -90,10 +90,11 @@ def test_messages_match_receives_in_posting_order_and_a_full_ring_does_not_block
 
 
 def test_a_ring_emptied_anywhere_keeps_room_for_half_its_bytes_of_small_messages(tmp_path):
-    """A send on an empty ring writes at once, whatever position the ring was emptied at, and the ring takes half
-    its bytes of small messages: bytes skipped to start over at the front count as used until the receiver passes
-    them, so starting over whenever the ring was empty once left a ring of tiny messages full after one message, and
-    the next send waited for the background thread's poll."""
+    """A send on an empty ring writes at once, whatever position the ring was emptied at: a ring takes half its
+    bytes of small messages, and a ring of two of its largest messages (a replica pair's gradient buckets) takes
+    two. Bytes skipped to start over at the front count as used until the receiver passes them, so starting over
+    whenever the ring was empty once left a ring of tiny messages full after one message, and the next send waited
+    for the background thread's poll; starting over when it was empty past its middle left the large ring one."""
     path = str(tmp_path / "ring")
     writer = Channel(path, create=True)
     reader = Channel(path, create=False)
