@@ -247,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             all_rows.extend(rows)
             if calibration is not None:
                 when = "before" if args.quick else "mean of one before and one after"
-                when = f"its rows up: {when} their steps"
-                calibrations.append(f"- calibration, {w.name} ({when}): {calibration.text()}")
+                calibrations.append(f"- calibration, {w.name} (its rows up: {when} their steps): {calibration.text()}")
     finally:
         ray.shutdown()
     header = (f"# vs torch.distributed.pipelining: {reps} measured + {warmup} warm-up repetitions per row, "
