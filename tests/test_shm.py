@@ -5,6 +5,7 @@ that exited, two schedules that disagree). Whole runs go through it in every Ray
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
@@ -305,3 +306,50 @@ def _receiver_blocked_elsewhere(rank: int, chans: ShmChannels) -> Any:
 
 def test_posted_receives_fill_while_the_receiver_blocks_on_gloo_so_its_peer_is_not_held_up():
     assert _ok(_run(_receiver_blocked_elsewhere)) == {0: True, 1: True}
+
+
+def _wake(spin_s: float, rank: int, chans: ShmChannels) -> Any:
+    """Rank 1 waits ~0.2 s for rank 0's message with ``spin_s``; how often it slept on the futex, and what it got."""
+    chans.spin_s = spin_s
+    if rank == 0:
+        time.sleep(0.2)  # the receiver is waiting by now
+        chans.post("pipe down", 1, True, torch.ones(4)).wait(timedelta(seconds=30))
+        return None
+    sleeps = []
+    real = shm.futex
+
+    def counted(addr: int, op: int, val: int, timeout_s: float | None = None) -> None:
+        sleeps.append(op)
+        real(addr, op, val, timeout_s)
+
+    shm.futex = counted  # type: ignore[assignment]
+    buf = torch.zeros(4)
+    chans.post("pipe down", 0, False, buf).wait(timedelta(seconds=30))
+    return sleeps.count(shm.FUTEX_WAIT), buf.tolist()
+
+
+def test_a_waiting_receive_polls_for_its_spin_and_sleeps_on_the_futex_without_one():
+    spun = _ok(_run(functools.partial(_wake, 5.0)))[1]
+    slept = _ok(_run(functools.partial(_wake, 0.0)))[1]
+    assert spun == (0, [1.0] * 4)  # the message found by polling: no sleep, no wake-up
+    assert slept[0] >= 1 and slept[1] == [1.0] * 4
+
+
+def test_p2p_spin_reaches_the_workers_channels_and_a_negative_one_is_refused(tmp_path):
+    from chimera.compile import compile_job
+    from chimera.config import ConfigError, TrainConfig
+    from chimera.runtime.worker import PipelineWorker
+
+    flags = dict(model="delay", model_overrides={"num_blocks": 1, "fwd_s": 0.0}, schedule="1f1b", stages=1,
+                 micro_batches=2, steps=1, threads=1, corpus="synthetic", partition="uniform")
+    for spin, want in ((None, shm.SPIN_S), (0.25, 0.25)):
+        extra = {} if spin is None else {"p2p_spin_s": spin}
+        w = PipelineWorker(compile_job(TrainConfig.from_flags(**flags, **extra)), 0, 1,
+                           f"file://{tmp_path}/rdv-{spin}")
+        w.setup()
+        try:
+            assert w.comm.shm is not None and w.comm.shm.spin_s == want
+        finally:
+            w.close()
+    with pytest.raises(ConfigError, match="--p2p-spin must be >= 0"):
+        compile_job(TrainConfig.from_flags(**flags, p2p_spin_s=-1.0))

@@ -148,7 +148,8 @@ def _run_options(cfg: TrainConfig, threads: int) -> RunOptions:
     t = cfg.training
     return RunOptions(t.steps, t.seed, t.device, t.optimizer, t.lr, t.weight_decay, t.warmup_steps, t.lr_schedule,
                       t.clip_grad, t.recompute, t.amp, t.timeout_s, threads, t.python_gc, t.check_replicas,
-                      cfg.profiling.comm_payload, t.debug_stall, t.post_validate, t.p2p, t.cpu_affinity)
+                      cfg.profiling.comm_payload, t.debug_stall, t.post_validate, t.p2p, t.cpu_affinity,
+                      t.p2p_spin_s)
 
 
 def _timeline(cfg: TrainConfig) -> TimelineOptions:

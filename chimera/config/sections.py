@@ -98,6 +98,11 @@ class TrainingSection:
     p2p: str = option("auto", "how activations and gradients move between CPU workers: auto (through shared memory "
                       "between processes on one Linux x86-64 host, messages up to 256 KiB; gloo otherwise) or gloo "
                       "(always gloo's TCP)", choices=("auto", "gloo"))
+    p2p_spin_s: float = option(0.01, "shared-memory messages: a waiting receive polls for its message this long, "
+                               "yielding its core to any other runnable thread between polls, before it sleeps (a "
+                               "wake-up from sleep costs tens of microseconds, more on a virtual machine; a core left "
+                               "idle halts); 0: sleep at once", unit="seconds", flag="--p2p-spin", minimum=0,
+                               maximum=60)
     cpu_affinity: str = option("auto", "CPU workers: auto pins each worker's threads to cores of its own where the "
                                "host's workers x --threads fill its usable cores (round robin by rank, so pipeline "
                                "neighbours compute on different cores); off leaves placement to the kernel",

@@ -46,6 +46,7 @@ class RunOptions:
     post_validate: bool = False  # per-stage updates, validated (rolled back and redone) at the end of the step
     p2p: str = "auto"  # auto: same-host messages on CPU through shared memory (chimera.util.shm); gloo: gloo's TCP
     cpu_affinity: str = "auto"  # auto: CPU workers that fill their host's cores each pinned to their own (round robin)
+    p2p_spin_s: float = 0.01  # shared memory: how long a waiting receive polls before it sleeps (0: at once)
 
     @property
     def is_training_result(self) -> bool:

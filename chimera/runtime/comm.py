@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from chimera.schedule import Schedule
-from chimera.util.shm import ShmChannels, ShmWork
+from chimera.util.shm import SPIN_S, ShmChannels, ShmWork
 
 
 class StallError(RuntimeError):
@@ -62,7 +62,7 @@ class Communicator:
 
     def __init__(self, schedule: Schedule, rank: int, tied: Iterable[Sequence[int]] = (), timeout_s: float = 120.0,
                  worker_name: str = "", payload: str = "full", host_stages: Collection[int] = (),
-                 p2p: str = "auto", message_bytes: int = 0) -> None:
+                 p2p: str = "auto", message_bytes: int = 0, spin_s: float = SPIN_S) -> None:
         if payload not in PAYLOADS:
             raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
         self.single_byte = payload == "single-byte"
@@ -100,7 +100,7 @@ class Communicator:
         # same-host p2p through shared memory (gloo jobs with p2p "auto"; a collective: every rank, same arguments),
         # each channel taking the job's largest activation (``message_bytes``)
         pairs = _pairs(schedule, world)
-        self.shm = (ShmChannels.open(rank, pairs, p2p == "auto", dict.fromkeys(pairs, message_bytes))
+        self.shm = (ShmChannels.open(rank, pairs, p2p == "auto", dict.fromkeys(pairs, message_bytes), spin_s)
                     if self.backend == "gloo" else None)
 
     def open_sums(self, messages: Mapping[tuple[Any, int], int]) -> None:

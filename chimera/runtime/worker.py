@@ -110,7 +110,7 @@ class PipelineWorker:
         self.cpus = self._pin() if self.device.type == "cpu" and t.cpu_affinity == "auto" else None
         host_stages = [s for s in range(sched.stages) if self.job.offload.gradients_at(s)]
         self.comm = Communicator(sched, self.rank, tied_ranks(self.job).values(), t.timeout_s, self.name, t.comm_payload,
-                                 host_stages, t.p2p, _largest_message(self.job))
+                                 host_stages, t.p2p, _largest_message(self.job), t.p2p_spin_s)
         self.stages = StageState(self.job, self.worker, self.dp_rank, self.device, self.comm)
         self.post = PostValidation(self.stages) if t.post_validate else None
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if t.amp and self.device.type == "cuda"
