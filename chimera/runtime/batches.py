@@ -88,14 +88,15 @@ class CommBatches:
         for ahead in self.ahead.get(k, ()):
             if ahead not in self.prefetched:  # in batch order: what an earlier batch posted is a prefix
                 self.prefetched[ahead] = self._recv_ops(ahead, ops, owners)
-        if self.send_works:
-            self._drop_finished_sends()
         step = st.step
+        earlier = len(self.send_works)  # the sends posted before: those completed are dropped once these are out
         for op, (a, slot), w in zip(ops, owners, self.comm.post(ops)):
             if op.is_send:
                 self.send_works.append((w, a, step, op.tensor))
             else:
                 slot.append(w)  # type: ignore[union-attr]
+        if earlier:
+            self._drop_finished_sends(earlier)
         if self.while_waiting is not None:
             self.while_waiting(k, st)
         for a, msg, tensors, works in recvs:
@@ -117,15 +118,16 @@ class CommBatches:
             out.append((a, msg, tensors, works))
         return out
 
-    def _drop_finished_sends(self) -> None:
-        """Forget the sends that completed (their errors still surface), and with them the tensors they kept."""
+    def _drop_finished_sends(self, earlier: int) -> None:
+        """Forget those of the first ``earlier`` sends in flight that completed (their errors still surface), and
+        with them the tensors they kept."""
         pending = []
-        for x in self.send_works:
+        for x in self.send_works[:earlier]:
             if x[0] is not None and x[0].is_completed():
                 self.comm.wait(x[0], lambda x=x: self.describe(x[1], x[2]))
             else:
                 pending.append(x)
-        self.send_works = pending
+        self.send_works[:earlier] = pending
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (before the optimizer step reuses the memory)."""

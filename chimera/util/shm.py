@@ -87,12 +87,12 @@ class ShmWork:
 
     __slots__ = ("owner", "channel", "is_send", "src", "dst", "nbytes", "tensor", "done", "peer_pid")
 
-    def __init__(self, owner: ShmChannels, channel: Channel, is_send: bool, tensor: torch.Tensor) -> None:
+    def __init__(self, owner: ShmChannels, channel: Channel, is_send: bool, tensor: torch.Tensor, nbytes: int
+                 ) -> None:
         self.owner, self.channel, self.is_send, self.tensor = owner, channel, is_send, tensor
-        flat = tensor.reshape(-1).view(torch.uint8)
-        self.src = flat if is_send else None
-        self.dst = None if is_send else flat
-        self.nbytes = flat.numel()
+        self.src = tensor if is_send else None  # contiguous, on the CPU: copied by address
+        self.dst = None if is_send else tensor
+        self.nbytes = nbytes
         self.done = False
         self.peer_pid = int(channel.pids[1 if is_send else 0])
 
@@ -178,12 +178,15 @@ class ShmChannels:
 
     def post(self, label: str, peer: int, is_send: bool, tensor: torch.Tensor) -> ShmWork | None:
         """Post one send to (receive from) global rank ``peer`` on the group ``label``; None where the message
-        takes gloo (no channel, or larger than the channel takes)."""
+        takes gloo (no channel, larger than the channel takes, or not a contiguous CPU tensor)."""
         key = (label, self.rank, peer) if is_send else (label, peer, self.rank)
         ch = self.channels.get(key)
-        if ch is None or tensor.numel() * tensor.element_size() > ch.max_message or not tensor.is_contiguous():
+        if ch is None:
             return None
-        w = ShmWork(self, ch, is_send, tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > ch.max_message or not tensor.is_contiguous() or not tensor.is_cpu:
+            return None
+        w = ShmWork(self, ch, is_send, tensor, nbytes)
         if is_send:
             with ch.lock:
                 if ch.pending or not ch.try_write(w.src):  # type: ignore[arg-type]

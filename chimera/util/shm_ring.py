@@ -45,14 +45,18 @@ class _Timespec(ctypes.Structure):
 _libc: Any = None
 
 
-def futex(addr: int, op: int, val: int, timeout_s: float | None = None) -> None:
+def _lib() -> Any:
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+def futex(addr: int, op: int, val: int, timeout_s: float | None = None) -> None:
     ts = None
     if timeout_s is not None:
         ts = ctypes.byref(_Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9)))
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), op, ctypes.c_int(val), ts, None, 0)
+    _lib().syscall(_SYS_FUTEX, ctypes.c_void_p(addr), op, ctypes.c_int(val), ts, None, 0)
 
 
 def alive(pid: int) -> bool:
@@ -94,16 +98,19 @@ class Channel:
         self.ring = size - _DATA
         self.max_message = int(self.limit.value)
         self.words = (ctypes.c_int64 * (self.ring // 8)).from_buffer(self.mm, _DATA)
-        self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_DATA, count=self.ring)
+        self.base = ctypes.addressof(self.words)  # the ring's first byte: messages are copied with memmove
         self.pub_addr = ctypes.addressof(self.pub)
+        self.pub_ptr = ctypes.c_void_p(self.pub_addr)  # the wake call's argument, made once
+        self._syscall = _lib().syscall
         self.lock = threading.RLock()  # the main thread and the background thread move the channel on
         self.pending: deque[Any] = deque()  # sends not yet written (ring full), in order
         self.posted: deque[Any] = deque()  # receives posted, not yet filled, in order
 
     # -- sender ------------------------------------------------------------------------------------
     def try_write(self, src: torch.Tensor) -> bool:
-        """Write ``src`` (bytes) if the ring has room; False if not (nothing written)."""
-        n = src.numel()
+        """Write the bytes of ``src`` (a contiguous CPU tensor) if the ring has room; False if not (nothing
+        written)."""
+        n = src.numel() * src.element_size()
         need = 64 + -(-n // 64) * 64
         head, tail, ring = self.head.value, self.tail.value, self.ring
         pos = head % ring
@@ -119,11 +126,12 @@ class Channel:
             self.words[pos // 8] = -1
             pos = 0
         self.words[pos // 8] = n
-        if n:
-            self.data[pos + 64:pos + 64 + n].copy_(src)
+        if n:  # memmove, not a torch copy: no tensor views made per message
+            ctypes.memmove(self.base + pos + 64, src.data_ptr(), n)
         self.head.value = head + skip + need  # after the data: x86 keeps the order of stores
         self.pub.value = (self.pub.value + 1) & 0x7FFFFFFF
-        futex(self.pub_addr, _FUTEX_WAKE, 1)  # a syscall: the reader either sees pub moved or is woken
+        # a syscall: the reader either sees pub moved or is woken
+        self._syscall(_SYS_FUTEX, self.pub_ptr, _FUTEX_WAKE, 1, None, None, 0)
         return True
 
     def flush(self) -> None:
@@ -135,7 +143,8 @@ class Channel:
 
     # -- receiver ----------------------------------------------------------------------------------
     def try_read(self, dst: torch.Tensor | None, nbytes: int) -> bool:
-        """Read the next message into ``dst`` (bytes) if there is one; False if the ring is empty."""
+        """Read the next message into ``dst`` (a contiguous CPU tensor of ``nbytes`` bytes; None: skip it) if there
+        is one; False if the ring is empty."""
         while True:
             tail = self.tail.value
             if self.head.value == tail:
@@ -149,13 +158,13 @@ class Channel:
             raise RuntimeError(f"shared-memory channel {self.path}: the next message has {n} bytes, the receive "
                                f"posted for it {nbytes}: the two ranks' schedules disagree")
         if n and dst is not None:
-            dst.copy_(self.data[pos + 64:pos + 64 + n])
+            ctypes.memmove(dst.data_ptr(), self.base + pos + 64, n)
         self.tail.value = tail + 64 + -(-n // 64) * 64
         return True
 
     def close(self) -> None:
         self.pending.clear()
         self.posted.clear()
-        del self.pub, self.head, self.tail, self.pids, self.limit, self.words, self.data
+        del self.pub, self.head, self.tail, self.pids, self.limit, self.words, self.base
         with contextlib.suppress(BufferError):
             self.mm.close()
