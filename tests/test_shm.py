@@ -135,14 +135,18 @@ def test_a_ring_emptied_anywhere_keeps_room_for_half_its_bytes_of_small_messages
 
 def _large_and_missing(rank: int, chans: ShmChannels) -> Any:
     big = torch.zeros(MAX_MESSAGE_BYTES // 4 + 1)
+    off_cpu = torch.empty(2, device="meta")  # not in this process's memory (as a GPU's): gloo's
+    strided = torch.zeros(4)[::2]
     return (chans.post("pipe down", 1 - rank, rank == 0, big) is None,  # over the limit: gloo's
             chans.post("pipe up", 1 - rank, rank == 0, torch.zeros(2)) is None,  # no such channel: gloo's
-            len(chans.channels))
+            len(chans.channels),
+            chans.post("pipe down", 1 - rank, rank == 0, off_cpu) is None,
+            chans.post("pipe down", 1 - rank, rank == 0, strided) is None)
 
 
-def test_large_messages_and_channels_not_set_up_are_left_to_gloo():
+def test_large_messages_channels_not_set_up_and_tensors_not_contiguous_on_the_cpu_are_left_to_gloo():
     got = _ok(_run(_large_and_missing))
-    assert got == {0: (True, True, 2), 1: (True, True, 2)}
+    assert got == {0: (True, True, 2, True, True), 1: (True, True, 2, True, True)}
 
 
 def _sized(rank: int, chans: ShmChannels) -> Any:
@@ -309,10 +313,10 @@ def test_posted_receives_fill_while_the_receiver_blocks_on_gloo_so_its_peer_is_n
 
 
 def _wake(spin_s: float, rank: int, chans: ShmChannels) -> Any:
-    """Rank 1 waits ~0.2 s for rank 0's message with ``spin_s``; how often it slept on the futex, and what it got."""
+    """Rank 1 waits ~0.5 s for rank 0's message with ``spin_s``; how often it slept on the futex, and what it got."""
     chans.spin_s = spin_s
     if rank == 0:
-        time.sleep(0.2)  # the receiver is waiting by now
+        time.sleep(0.5)  # the receiver is waiting by now
         chans.post("pipe down", 1, True, torch.ones(4)).wait(timedelta(seconds=30))
         return None
     sleeps = []
