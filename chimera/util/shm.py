@@ -87,13 +87,12 @@ def _limits(mine: Iterable[tuple[str, int, int]], sizes: Mapping[tuple[str, int,
 class ShmWork:
     """A posted send or receive on a :class:`Channel`, waited for like a ``dist.Work``."""
 
-    __slots__ = ("owner", "channel", "is_send", "src", "dst", "nbytes", "tensor", "done", "peer_pid")
+    __slots__ = ("owner", "channel", "is_send", "nbytes", "tensor", "done", "peer_pid")
 
     def __init__(self, owner: ShmChannels, channel: Channel, is_send: bool, tensor: torch.Tensor, nbytes: int
                  ) -> None:
-        self.owner, self.channel, self.is_send, self.tensor = owner, channel, is_send, tensor
-        self.src = tensor if is_send else None  # contiguous, on the CPU: copied by address
-        self.dst = None if is_send else tensor
+        self.owner, self.channel, self.is_send = owner, channel, is_send
+        self.tensor = tensor  # contiguous, on the CPU: copied by address
         self.nbytes = nbytes
         self.done = False
         self.peer_pid = int(channel.pids[1 if is_send else 0])
@@ -191,11 +190,11 @@ class ShmChannels:
         w = ShmWork(self, ch, is_send, tensor, nbytes)
         if is_send:
             with ch.lock:
-                if ch.pending or not ch.try_write(w.src):  # type: ignore[arg-type]
+                if ch.pending or not ch.try_write(tensor):
                     ch.pending.append(w)
                     self._start_flusher()
                 else:
-                    w.done, w.src = True, None
+                    w.done = True
         else:
             ch.posted.append(w)
         return w
@@ -207,7 +206,7 @@ class ShmChannels:
                 ch.flush()
             while ch.posted:
                 w = ch.posted[0]
-                if not ch.try_read(w.dst, w.nbytes):
+                if not ch.try_read(w.tensor, w.nbytes):
                     break
                 ch.posted.popleft()
                 w.done = True
@@ -252,7 +251,7 @@ class ShmChannels:
             if w.is_send or self._any_pending():
                 time.sleep(min(slice_s, POLL_S))  # room in a ring wakes no one: poll
             elif not (self.spin_s and _spin(ch, p, min(self.spin_s, slice_s))):
-                futex(ch.pub_addr, FUTEX_WAIT, p, slice_s)
+                futex(ch.pub_ptr, FUTEX_WAIT, p, slice_s)
 
     def _any_pending(self) -> bool:
         return any(ch.pending for ch in self.channels.values())
@@ -296,7 +295,7 @@ class ShmChannels:
                         self._flusher = None
                         return
             if waiting is not None and not self._any_pending():
-                futex(waiting.pub_addr, FUTEX_WAIT, waiting.pub.value, POLL_S)  # woken by its next message
+                futex(waiting.pub_ptr, FUTEX_WAIT, waiting.pub.value, POLL_S)  # woken by its next message
             else:
                 time.sleep(POLL_S)
 

@@ -52,11 +52,12 @@ def _lib() -> Any:
     return _libc
 
 
-def futex(addr: int, op: int, val: int, timeout_s: float | None = None) -> None:
+def futex(word: ctypes.c_void_p, op: int, val: int, timeout_s: float | None = None) -> None:
+    """The futex syscall on the 32-bit word at ``word`` (a channel's ``pub_ptr``, made once)."""
     ts = None
     if timeout_s is not None:
         ts = ctypes.byref(_Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9)))
-    _lib().syscall(_SYS_FUTEX, ctypes.c_void_p(addr), op, ctypes.c_int(val), ts, None, 0)
+    _lib().syscall(_SYS_FUTEX, word, op, ctypes.c_int(val), ts, None, 0)
 
 
 def alive(pid: int) -> bool:
@@ -99,9 +100,7 @@ class Channel:
         self.max_message = int(self.limit.value)
         self.words = (ctypes.c_int64 * (self.ring // 8)).from_buffer(self.mm, _DATA)
         self.base = ctypes.addressof(self.words)  # the ring's first byte: messages are copied with memmove
-        self.pub_addr = ctypes.addressof(self.pub)
-        self.pub_ptr = ctypes.c_void_p(self.pub_addr)  # the wake call's argument, made once
-        self._syscall = _lib().syscall
+        self.pub_ptr = ctypes.c_void_p(ctypes.addressof(self.pub))  # the futex calls' argument, made once
         self.lock = threading.RLock()  # the main thread and the background thread move the channel on
         self.pending: deque[Any] = deque()  # sends not yet written (ring full), in order
         self.posted: deque[Any] = deque()  # receives posted, not yet filled, in order
@@ -130,16 +129,14 @@ class Channel:
             ctypes.memmove(self.base + pos + 64, src.data_ptr(), n)
         self.head.value = head + skip + need  # after the data: x86 keeps the order of stores
         self.pub.value = (self.pub.value + 1) & 0x7FFFFFFF
-        # a syscall: the reader either sees pub moved or is woken
-        self._syscall(_SYS_FUTEX, self.pub_ptr, _FUTEX_WAKE, 1, None, None, 0)
+        futex(self.pub_ptr, _FUTEX_WAKE, 1)  # a syscall: the reader either sees pub moved or is woken
         return True
 
     def flush(self) -> None:
         """Write the pending sends that now fit, in order."""
         with self.lock:
-            while self.pending and self.try_write(self.pending[0].src):
-                w = self.pending.popleft()
-                w.done, w.src = True, None
+            while self.pending and self.try_write(self.pending[0].tensor):
+                self.pending.popleft().done = True
 
     # -- receiver ----------------------------------------------------------------------------------
     def try_read(self, dst: torch.Tensor | None, nbytes: int) -> bool:
