@@ -357,3 +357,15 @@ def test_p2p_spin_reaches_the_workers_channels_and_a_negative_one_is_refused(tmp
             w.close()
     with pytest.raises(ConfigError, match="--p2p-spin must be >= 0"):
         compile_job(TrainConfig.from_flags(**flags, p2p_spin_s=-1.0))
+
+
+def test_the_p2p_spin_default_is_one_figure_in_the_config_the_job_and_the_transport():
+    """The layers keep their own copies (the request imports nothing, the job holds decisions): they must agree."""
+    import dataclasses
+
+    from chimera.config import TrainConfig
+    from chimera.job import RunOptions
+
+    job_default = {f.name: f.default for f in dataclasses.fields(RunOptions)}["p2p_spin_s"]
+    config_default = TrainConfig.from_flags(model="delay").training.p2p_spin_s
+    assert config_default == job_default == shm.SPIN_S
