@@ -163,16 +163,13 @@ def _visit(row: Sequence[Action], slot: Mapping[tuple[str, int], int], carried: 
     rests: dict[_State, int] = {}
     rest_of: dict[tuple[Any, ...], int] = {}  # per action shape while grads, flats, resident hold
     effects = {kind: _effect(kind) for kind in SPECS}
-    # per action shape (kind, pipe, stage, count): its stage slot, activation change and memory effect; None for an
-    # action of no stage (the optimizer step)
+    # per action shape (kind, pipe, stage, count): what _shape says; None for an action of no stage (the optimizer)
     shapes: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}
     for a in row:
         shape = (a.kind, a.pipe, a.stage, a.count)
         info = shapes.get(shape, ())
         if info == ():
-            k = slot.get((a.pipe, a.stage))
-            e = effects[a.kind]
-            info = shapes[shape] = None if k is None else (k, e[0] * a.count, *e[1:])
+            info = shapes[shape] = _shape(a, slot, effects)
         if info is None:
             continue
         k, change, g, flat, res, peak, recompute, out, inn, pack, keep = info
@@ -210,6 +207,17 @@ def _visit(row: Sequence[Action], slot: Mapping[tuple[str, int], int], carried: 
             resident = put(resident, k, 0)
             rest_of = {}
     return seen, list(rests), tuple(live), grads, resident
+
+
+def _shape(a: Action, slot: Mapping[tuple[str, int], int], effects: Mapping[Kind, tuple[Any, ...]]
+           ) -> tuple[Any, ...] | None:
+    """An action's stage slot, activation change (times its count) and the rest of its kind's memory effect; None
+    for an action of no stage held here (the optimizer step)."""
+    k = slot.get((a.pipe, a.stage))
+    if k is None:
+        return None
+    e = effects[a.kind]
+    return (k, e[0] * a.count, *e[1:])
 
 
 def _effect(kind: Kind) -> tuple[Any, ...]:
