@@ -106,10 +106,10 @@ def test_a_ring_emptied_anywhere_keeps_room_for_half_its_bytes_of_small_messages
     try:
         for emptied_at in (1, 2, 3, 64, per_half - 1, per_half, per_half + 1, 2 * per_half - 1, 2 * per_half + 2):
             while at < emptied_at:  # one message on at a time: the ring empty at the next position
-                assert writer.try_write(msg) and reader.try_read(out, 64)
+                assert writer.try_write(msg, 64) and reader.try_read(out, 64)
                 at += 1
             fits = 0
-            while fits < per_half - 1 and writer.try_write(msg):
+            while fits < per_half - 1 and writer.try_write(msg, 64):
                 fits += 1
             assert fits == per_half - 1, f"emptied after {emptied_at} messages, the ring took {fits} more"
             for _ in range(fits):
@@ -124,10 +124,10 @@ def test_a_ring_emptied_anywhere_keeps_room_for_half_its_bytes_of_small_messages
     large, got = torch.ones(2**20, dtype=torch.uint8), torch.empty(2**20, dtype=torch.uint8)
     try:
         for emptied_at in range(4):
-            assert big.try_write(large) and big.try_write(large), f"emptied after {emptied_at}: not two messages"
-            assert not big.try_write(large)
+            assert big.try_write(large, 2**20) and big.try_write(large, 2**20), f"emptied after {emptied_at}: not two messages"
+            assert not big.try_write(large, 2**20)
             assert peer.try_read(got, 2**20) and peer.try_read(got, 2**20) and not peer.try_read(got, 2**20)
-            assert big.try_write(large) and peer.try_read(got, 2**20)  # one message on
+            assert big.try_write(large, 2**20) and peer.try_read(got, 2**20)  # one message on
     finally:
         peer.close()
         big.close()
@@ -322,7 +322,7 @@ def _wake(spin_s: float, rank: int, chans: ShmChannels) -> Any:
     sleeps = []
     real = shm.futex
 
-    def counted(addr: int, op: int, val: int, timeout_s: float | None = None) -> None:
+    def counted(addr: Any, op: int, val: int, timeout_s: float | None = None) -> None:
         sleeps.append(op)
         real(addr, op, val, timeout_s)
 

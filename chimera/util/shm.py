@@ -5,7 +5,7 @@ on the receiving side (gloo's transport thread, then the waiting one): ~0.06–0
 machine, while the sender's call that writes it costs it 0.06–0.18 ms. A channel here is a ring buffer in a
 shared-memory mapping, one per direction between two ranks that exchange activations or gradients on a pipe: the
 sender copies the tensor's bytes in (``memmove`` from its address: contiguous CPU tensors only) and wakes the
-receiver's futex; the receiver copies them out. One way costs ~0.02 ms to a sleeping receiver, ~0.005 ms to one
+receiver's futex; the receiver copies them out. One way costs ~0.04 ms to a sleeping receiver, ~0.005 ms to one
 that polls.
 
 Rules (the same as gloo's for one channel): the n-th receive posted on a channel gets the n-th message sent on it,
@@ -190,7 +190,7 @@ class ShmChannels:
         w = ShmWork(self, ch, is_send, tensor, nbytes)
         if is_send:
             with ch.lock:
-                if ch.pending or not ch.try_write(tensor):
+                if ch.pending or not ch.try_write(tensor, nbytes):
                     ch.pending.append(w)
                     self._start_flusher()
                 else:

@@ -106,10 +106,9 @@ class Channel:
         self.posted: deque[Any] = deque()  # receives posted, not yet filled, in order
 
     # -- sender ------------------------------------------------------------------------------------
-    def try_write(self, src: torch.Tensor) -> bool:
-        """Write the bytes of ``src`` (a contiguous CPU tensor) if the ring has room; False if not (nothing
+    def try_write(self, src: torch.Tensor, n: int) -> bool:
+        """Write the ``n`` bytes of ``src`` (a contiguous CPU tensor) if the ring has room; False if not (nothing
         written)."""
-        n = src.numel() * src.element_size()
         need = 64 + -(-n // 64) * 64
         head, tail, ring = self.head.value, self.tail.value, self.ring
         pos = head % ring
@@ -135,7 +134,7 @@ class Channel:
     def flush(self) -> None:
         """Write the pending sends that now fit, in order."""
         with self.lock:
-            while self.pending and self.try_write(self.pending[0].tensor):
+            while self.pending and self.try_write(self.pending[0].tensor, self.pending[0].nbytes):
                 self.pending.popleft().done = True
 
     # -- receiver ----------------------------------------------------------------------------------
