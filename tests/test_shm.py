@@ -119,15 +119,16 @@ def test_a_ring_emptied_anywhere_keeps_room_for_half_its_bytes_of_small_messages
     finally:
         reader.close()
         writer.close()
-    big = Channel(str(tmp_path / "big"), create=True, max_message=2**20)  # a ring of two of its largest messages
+    n = 2**20  # the largest message's bytes
+    big = Channel(str(tmp_path / "big"), create=True, max_message=n)  # a ring of two of its largest messages
     peer = Channel(str(tmp_path / "big"), create=False)
-    large, got = torch.ones(2**20, dtype=torch.uint8), torch.empty(2**20, dtype=torch.uint8)
+    large, got = torch.ones(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
     try:
         for emptied_at in range(4):
-            assert big.try_write(large, 2**20) and big.try_write(large, 2**20), f"emptied after {emptied_at}: not two messages"
-            assert not big.try_write(large, 2**20)
-            assert peer.try_read(got, 2**20) and peer.try_read(got, 2**20) and not peer.try_read(got, 2**20)
-            assert big.try_write(large, 2**20) and peer.try_read(got, 2**20)  # one message on
+            assert big.try_write(large, n) and big.try_write(large, n), f"emptied after {emptied_at}: not two messages"
+            assert not big.try_write(large, n)
+            assert peer.try_read(got, n) and peer.try_read(got, n) and not peer.try_read(got, n)
+            assert big.try_write(large, n) and peer.try_read(got, n)  # one message on
     finally:
         peer.close()
         big.close()
