@@ -69,3 +69,47 @@ def _fake_input(job, f):
 
     specs = job.stage_inputs(f.stage)
     return {Msg(Res.ACT, f.pipe, f.stage - 1, f.microbatch): tuple(torch.zeros(s.shape, dtype=s.dtype) for s in specs)}
+
+
+class _Posts:
+    """The communicator's side of a batch, recorded: what each ``post`` call carried (a stand-in for the process
+    group a real communicator needs; its works complete at once)."""
+
+    prefetch_recvs = True
+
+    def __init__(self) -> None:
+        self.calls: list[list[bool]] = []  # per post call, each op's is_send
+        self.pipe_groups = {"down": None}
+
+    def global_rank(self, worker: int) -> int:
+        return worker
+
+    def post(self, ops):
+        self.calls.append([op.is_send for op in ops])
+        return [None] * len(ops)
+
+    def wait(self, work, what) -> None:
+        pass
+
+
+def test_a_batch_posts_its_sends_before_it_makes_any_receive_buffer():
+    from chimera.runtime.batches import CommBatches
+
+    _, segs, job = _compute(0)
+    comm = _Posts()
+    batches = CommBatches(comm, job, 0, segs, torch.device("cpu"), lambda a, step: a.text())
+    k = next(k for k in batches.sends if batches.sends[k] and batches.recvs[k])  # 1F1B's steady state: SEND_F, RECV_B
+    st = StepState(0, torch.device("cpu"))
+    for _, msg, *_ in batches.sends[k]:
+        st.outbox[msg] = (torch.zeros(2, 3),)
+    batches.exchange(k, st)
+    assert comm.calls[0] == [True] * len(batches.sends[k])  # the sends alone, first
+    assert comm.calls[1] and not any(comm.calls[1])  # then the receives (this batch's and those posted ahead)
+    assert all(m in st.inbox for _, m, *_ in batches.recvs[k])
+    comm.prefetch_recvs = False  # NCCL: one post per batch, sends and receives together (one group call)
+    nccl = CommBatches(comm, job, 0, segs, torch.device("cpu"), lambda a, step: a.text())
+    comm.calls.clear()
+    for _, msg, *_ in nccl.sends[k]:
+        st.outbox[msg] = (torch.zeros(2, 3),)
+    nccl.exchange(k, st)
+    assert len(comm.calls) == 1 and comm.calls[0][0] and not all(comm.calls[0])

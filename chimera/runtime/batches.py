@@ -21,7 +21,9 @@ class CommBatches:
 
     A batch is a run of consecutive send/receive actions (``segments[k]``): its sends take their tensors from
     the step's outbox, its receives fill buffers shaped from the job's boundary specs and land in the step's
-    inbox. Sends never block; their handles are waited for before the optimizer step (:meth:`wait_sends`).
+    inbox. Sends never block; their handles are waited for before the optimizer step (:meth:`wait_sends`). On gloo,
+    which posts every op on its own, a batch's sends go out before its receive buffers are made: the peer's wait
+    for the message does not include this rank's allocations (on NCCL a batch is one group call).
 
     On gloo the receives of the next batch are posted together with the current one, one compute action
     early: gloo moves a message only once its receive is posted, so a receive posted at the last moment costs
@@ -82,19 +84,19 @@ class CommBatches:
             for t in outbox.pop(msg):
                 ops.append(Op(True, t, rank, group))
                 owners.append((a, None))
+        step = st.step
+        earlier = len(self.send_works)  # the sends posted before: those completed are dropped once these are out
+        if ops and self.comm.prefetch_recvs:  # each op posted on its own: the sends go out before any buffer is made
+            self._posted(ops, owners, step)
+            ops, owners = [], []
         recvs = self.prefetched.pop(k, None)
         if recvs is None:
             recvs = self._recv_ops(k, ops, owners)
         for ahead in self.ahead.get(k, ()):
             if ahead not in self.prefetched:  # in batch order: what an earlier batch posted is a prefix
                 self.prefetched[ahead] = self._recv_ops(ahead, ops, owners)
-        step = st.step
-        earlier = len(self.send_works)  # the sends posted before: those completed are dropped once these are out
-        for op, (a, slot), w in zip(ops, owners, self.comm.post(ops)):
-            if op.is_send:
-                self.send_works.append((w, a, step, op.tensor))
-            else:
-                slot.append(w)  # type: ignore[union-attr]
+        if ops:
+            self._posted(ops, owners, step)
         if earlier:
             self._drop_finished_sends(earlier)
         if self.while_waiting is not None:
@@ -103,6 +105,14 @@ class CommBatches:
             for w in works:
                 self.comm.wait(w, lambda a=a: self.describe(a, step))
             st.inbox[msg] = tensors
+
+    def _posted(self, ops: list[Op], owners: list[tuple[Action, list[Any] | None]], step: int) -> None:
+        """Post ``ops`` at once; keep the sends' handles, and give each receive's owner its handle."""
+        for op, (a, slot), w in zip(ops, owners, self.comm.post(ops)):
+            if op.is_send:
+                self.send_works.append((w, a, step, op.tensor))
+            else:
+                slot.append(w)  # type: ignore[union-attr]
 
     def _recv_ops(self, k: int, ops: list[Op], owners: list[tuple[Action, list[Any] | None]]
                   ) -> list[tuple[Action, Msg, tuple[torch.Tensor, ...], list[Any]]]:

@@ -80,7 +80,8 @@ class StageCompute:
                     out = mod(x, inputs=inputs, labels=labels, rng=rng)
                 st.stash[Slot(a.pipe, a.stage, mb)] = Stashed(x, out, data, saved=saved)
             if mod.is_last:
-                st.loss_sum += out.detach().to(torch.float64)
+                loss = out.detach().to(torch.float64)
+                st.loss_sum = loss if st.loss_sum is None else st.loss_sum + loss
                 st.loss_count += 1
             else:
                 outs.append(tuple(t.detach().to(s.dtype) for t, s in zip(out, specs)))

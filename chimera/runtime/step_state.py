@@ -86,12 +86,9 @@ class StepState:
     inbox: dict[Msg, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     outbox: dict[Msg, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     data: dict[tuple[str, int], tuple[Any, Any]] = field(default_factory=dict)  # (pipe, micro-batch) loaded ahead
-    loss_sum: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None  # float64, from the last stage's first loss (a step edge makes no tensor)
     loss_count: int = 0
     grad_norm: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
     @property
     def stash(self) -> dict[Slot, Stashed]:

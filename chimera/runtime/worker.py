@@ -187,7 +187,8 @@ class PipelineWorker:
                                f"more than --memory-per-worker ({self.budget} bytes): {held}; raise the budget or "
                                "offload more (--offload)")
         events = rec.finish() if rec else []
-        loss_sum, loss_count, grad_norm = float(st.loss_sum), st.loss_count, st.grad_norm
+        loss_sum = float(st.loss_sum) if st.loss_sum is not None else 0.0
+        loss_count, grad_norm = st.loss_count, st.grad_norm
         verdicts = self.post.taken() if self.post is not None else {}
         repeated = (self.post.repeated - repeated) if self.post is not None else 0
         del st  # its garbage goes in this step's collection
