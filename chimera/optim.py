@@ -72,6 +72,35 @@ def build_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
 
 
+def step_without_range(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+    """``optimizer.step`` as a call that skips the profiler range torch wraps every optimizer step in, where nothing
+    would see it: no profiler running and no step hook registered (then it is ``optimizer.step()`` itself).
+
+    The range enters and leaves through two dispatcher calls and leaves an object for the collector. A pipeline
+    worker steps once a step, on its step's critical path, after a sleep or a wait has left its caches cold: there
+    the range took ~0.15 ms of a ~0.26 ms SGD step, and the collection after the step ~0.03 ms more (1F1B, D = 4,
+    tf = 2 ms, the first worker). Usage::
+
+        step = step_without_range(opt)
+        loss.backward(); step(); opt.zero_grad()
+    """
+    inner = getattr(type(optimizer).step, "__wrapped__", None)  # torch's optimizers: the step under the wrapper
+    if inner is None:
+        return optimizer.step
+    from torch.autograd import profiler
+    from torch.optim import optimizer as torch_optimizer
+
+    hooks = (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks,
+             optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks)
+
+    def step() -> Any:
+        if profiler._is_profiler_enabled or any(hooks):
+            return optimizer.step()
+        return inner(optimizer)
+
+    return step
+
+
 def warmup_decay_schedule(
     optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, kind: str = "linear"
 ) -> LambdaLR:

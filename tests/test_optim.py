@@ -8,7 +8,13 @@ import pytest
 import torch
 from pytorch_optimizer import Lamb
 
-from chimera.optim import build_optimizer, clip_grad_norm_global, local_grad_sq_norm, warmup_decay_schedule
+from chimera.optim import (
+    build_optimizer,
+    clip_grad_norm_global,
+    local_grad_sq_norm,
+    step_without_range,
+    warmup_decay_schedule,
+)
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -95,3 +101,49 @@ def test_clipping_no_op_and_edge_cases() -> None:
     assert clip_grad_norm_global(_params(), 1.0) == 0.0  # no grads at all
     params[0].grad = torch.full((3, 2), float("inf"))
     assert math.isinf(clip_grad_norm_global(params, 1.0))
+
+
+def _stepped(name: str, step_of) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    opt = build_optimizer(model.parameters(), name, lr=0.01)
+    step = step_of(opt)
+    for _ in range(3):
+        model(torch.randn(4, 6)).square().sum().backward()
+        step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lamb"])
+def test_a_step_without_the_profiler_range_updates_as_the_step_does(name: str, monkeypatch) -> None:
+    entered: list[str] = []
+    enter = torch.autograd.profiler.record_function.__enter__
+
+    def counted(self):  # every optimizer step's profiler range entered in this process
+        if self.name.startswith("Optimizer.step#"):
+            entered.append(self.name)
+        return enter(self)
+
+    monkeypatch.setattr(torch.autograd.profiler.record_function, "__enter__", counted)
+    plain = _stepped(name, lambda opt: opt.step)
+    assert len(entered) == 3  # torch ranges each step: what the call below leaves out
+    entered.clear()
+    quiet = _stepped(name, step_without_range)
+    assert entered == []
+    assert all(torch.equal(a, b) for a, b in zip(plain, quiet))  # bit for bit
+
+
+def test_a_step_without_the_range_keeps_it_where_it_is_seen() -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = step_without_range(opt)
+    seen: list[str] = []
+    handle = opt.register_step_post_hook(lambda o, args, kwargs: seen.append("post"))  # after the call was made
+    model(torch.ones(1, 3)).sum().backward()
+    step()
+    assert seen == ["post"]  # a hook runs: the step is torch's own, with its range
+    handle.remove()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    assert any(e.name.startswith("Optimizer.step#SGD.step") for e in prof.events())  # a profiler sees its range

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +125,7 @@ class PostValidation:
         self.saved[key] = ([p.detach().clone() for p in params],
                            {id(p): copy.deepcopy(opt.state[p]) if p in opt.state else None for p in params})
         st.lr = float(opt.param_groups[0]["lr"])
-        _step_only(opt, params)
+        _step_only(opt, params, self.stages.step_optimizer)
 
     def start(self, step: int) -> None:
         """VALIDATE: start the global norm's allreduce and set the step's gradients aside; the verdict is taken by
@@ -186,7 +187,7 @@ class PostValidation:
 
     def _apply(self) -> None:
         """Roll the pending step back and redo it clipped, or leave it skipped; advance the LR schedule."""
-        pend, st, opt = self.pending, self.stages, self.stages.optimizer
+        pend, st = self.pending, self.stages
         assert pend is not None and pend.outcome != KEPT
         for p in st.params:  # a repeated run's gradients
             p.grad = None
@@ -196,7 +197,7 @@ class PostValidation:
             for p, g in zip(st.params, pend.grads):
                 p.grad = g
             scale_grads(st.params, pend.coef)
-            opt.step()
+            st.step_optimizer()
             for p in st.params:
                 p.grad = None
         st.lr_schedule.step()
@@ -230,15 +231,15 @@ def _restore_groups(opt: torch.optim.Optimizer, groups: list[dict[str, Any]]) ->
         group.update(copy.deepcopy(saved))
 
 
-def _step_only(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
-    """``opt.step()`` on ``params`` alone: the optimizer skips parameters without a gradient, so the others' are set
-    aside while it runs."""
+def _step_only(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], step: Callable[[], Any]) -> None:
+    """``step()`` (``opt``'s step) on ``params`` alone: the optimizer skips parameters without a gradient, so the
+    others' are set aside while it runs."""
     ids = {id(p) for p in params}
     aside = [(p, p.grad) for g in opt.param_groups for p in g["params"] if id(p) not in ids and p.grad is not None]
     for p, _ in aside:
         p.grad = None
     try:
-        opt.step()
+        step()
     finally:
         for p, grad in aside:
             p.grad = grad

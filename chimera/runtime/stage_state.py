@@ -20,7 +20,7 @@ import torch
 from chimera.job import Job
 from chimera.models import StageModule, build_stage
 from chimera.offload.store import HostStore
-from chimera.optim import build_optimizer, clip_grad_norm_global, warmup_decay_schedule
+from chimera.optim import build_optimizer, clip_grad_norm_global, step_without_range, warmup_decay_schedule
 from chimera.runtime.comm import Communicator, Op
 from chimera.runtime.grad_sync import GradBuckets
 from chimera.runtime.zero import ShardedUpdate
@@ -92,6 +92,7 @@ class StageState:
         stepped = self.sharded.owned if self.sharded else self.params
         self.optimizer = build_optimizer(stepped, run.optimizer, lr=run.lr, weight_decay=run.weight_decay,
                                          host=self.host is not None)
+        self.step_optimizer = step_without_range(self.optimizer)  # optimizer.step() where a profiler would see it
         self.lr = 0.0  # the learning rate of the last update
         self.lr_schedule = warmup_decay_schedule(self.optimizer, run.warmup_steps, max(run.steps, run.warmup_steps),
                                                  run.lr_schedule)
@@ -147,7 +148,7 @@ class StageState:
         if self.clip > 0:
             norm = clip_grad_norm_global(self.params, self.clip, self.norm_allreduce(step), self.norm_params)
         self.lr = float(self.optimizer.param_groups[0]["lr"])  # the rate of this update (the schedule moves on)
-        self.optimizer.step()
+        self.step_optimizer()
         self.end_step(step)
         return norm
 
@@ -183,12 +184,12 @@ class StageState:
     def end_step(self, step: int) -> None:
         """After the update: advance the LR schedule, drop the gradients (sharded: send the owned parameters)."""
         self.lr_schedule.step()
+        # every parameter's, not the optimizer's zero_grad: that reaches only the owned ones when sharded, and wraps
+        # itself in a profiler range whose first call in a step costs more than the loop (the step's edge)
+        for p in self.params:
+            p.grad = None
         if self.sharded:
-            for p in self.params:  # the optimizer's zero_grad reaches only the owned ones
-                p.grad = None
             self.sharded.broadcast(step)  # after the gradients are gone: its buckets take their place
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
 
     def state(self) -> dict[StageKey, dict[str, torch.Tensor]]:
         """CPU copies of every stage replica's parameters, keyed by (pipe, stage)."""
