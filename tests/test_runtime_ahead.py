@@ -84,6 +84,9 @@ class _Posts:
     def global_rank(self, worker: int) -> int:
         return worker
 
+    def sender(self, peer: int, group):
+        return lambda t: self.calls.append([True])
+
     def post(self, ops):
         self.calls.append([op.is_send for op in ops])
         return [None] * len(ops)
@@ -103,8 +106,9 @@ def test_a_batch_posts_its_sends_before_it_makes_any_receive_buffer():
     for _, msg, *_ in batches.sends[k]:
         st.outbox[msg] = (torch.zeros(2, 3),)
     batches.exchange(k, st)
-    assert comm.calls[0] == [True] * len(batches.sends[k])  # the sends alone, first
-    assert comm.calls[1] and not any(comm.calls[1])  # then the receives (this batch's and those posted ahead)
+    n = len(batches.sends[k])
+    assert comm.calls[:n] == [[True]] * n  # the sends, each as it is taken from the outbox
+    assert comm.calls[n] and not any(comm.calls[n])  # then the receives (this batch's and those posted ahead)
     assert all(m in st.inbox for _, m, *_ in batches.recvs[k])
     comm.prefetch_recvs = False  # NCCL: one post per batch, sends and receives together (one group call)
     nccl = CommBatches(comm, job, 0, segs, torch.device("cpu"), lambda a, step: a.text())

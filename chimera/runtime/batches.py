@@ -53,6 +53,9 @@ class CommBatches:
             batch = segments[k]
             self.sends[k] = [(a, *self._peer(a)) for a in batch if a.kind.is_send]
             self.recvs[k] = [(a, *self._peer(a), self._shapes(a)) for a in batch if not a.kind.is_send]
+        # gloo posts every op on its own: each send posted by a call bound to its route, before the batch's receives
+        self.senders = {k: [(a, msg, comm.sender(rank, group)) for a, msg, rank, group in sends]
+                        for k, sends in self.sends.items()} if comm.prefetch_recvs else {}
         # per batch, the batches whose receives are posted with it (on gloo): the next one, then small ones
         self.ahead = _ahead(comm_idx, {k: _nbytes(self.recvs[k]) for k in comm_idx}) if comm.prefetch_recvs else {}
         self.prefetched: dict[int, list[tuple[Action, Msg, tuple[torch.Tensor, ...], list[Any]]]] = {}
@@ -79,16 +82,17 @@ class CommBatches:
         """Post batch ``k``'s sends (and its receives unless prefetched); wait for its receives."""
         ops: list[Op] = []
         owners: list[tuple[Action, list[Any] | None]] = []
-        outbox = st.outbox
-        for a, msg, rank, group in self.sends[k]:
-            for t in outbox.pop(msg):
-                ops.append(Op(True, t, rank, group))
-                owners.append((a, None))
-        step = st.step
+        outbox, step = st.outbox, st.step
         earlier = len(self.send_works)  # the sends posted before: those completed are dropped once these are out
-        if ops and self.comm.prefetch_recvs:  # each op posted on its own: the sends go out before any buffer is made
-            self._posted(ops, owners, step)
-            ops, owners = [], []
+        if self.senders:  # the sends go out before any receive buffer is made
+            for a, msg, send in self.senders[k]:
+                for t in outbox.pop(msg):
+                    self.send_works.append((send(t), a, step, t))
+        else:  # NCCL: the batch is one group call
+            for a, msg, rank, group in self.sends[k]:
+                for t in outbox.pop(msg):
+                    ops.append(Op(True, t, rank, group))
+                    owners.append((a, None))
         recvs = self.prefetched.pop(k, None)
         if recvs is None:
             recvs = self._recv_ops(k, ops, owners)

@@ -193,6 +193,27 @@ class Communicator:
                 works[i] = w
         return works
 
+    def sender(self, peer: int, group: Any) -> Callable[[torch.Tensor], dist.Work]:
+        """A send of one tensor to global rank ``peer`` on ``group``, posted at once and counted as :meth:`post` posts
+        and counts it, with its route resolved now (its shared-memory channel, the peer's rank in the group): the
+        call a communication batch makes for each send, where gloo posts every op on its own (elsewhere, and in
+        single-byte mode, :meth:`post` itself)."""
+        if self.backend != "gloo" or self.single_byte:
+            return lambda t: self.post([Op(True, t, peer, group)])[0]
+        label, ops, sizes = self._labels.get(id(group), "other"), self._ops, self._sizes
+        shm = self.shm.sender(self._labels.get(id(group), ""), peer) if self.shm is not None else None
+        g = group if group is not None else dist.group.WORLD
+        to = dist.get_group_rank(g, peer)
+
+        def send(t: torch.Tensor) -> dist.Work:
+            nbytes = t.numel() * t.element_size()
+            ops[label] += 1
+            sizes[nbytes] += 1
+            work = shm(t, nbytes) if shm is not None else None
+            return work if work is not None else g.send([t], to, 0)
+
+        return send
+
     def _post_one(self, op: Op) -> dist.Work:
         """``op`` posted on its group's ``send``/``recv`` (what ``dist.isend``/``irecv`` end in, tag 0), the peer's
         rank in the group resolved once."""

@@ -33,7 +33,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -187,16 +187,36 @@ class ShmChannels:
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > ch.max_message or not tensor.is_contiguous() or not tensor.is_cpu:
             return None
-        w = ShmWork(self, ch, is_send, tensor, nbytes)
         if is_send:
-            with ch.lock:
-                if ch.pending or not ch.try_write(tensor, nbytes):
-                    ch.pending.append(w)
-                    self._start_flusher()
-                else:
-                    w.done = True
-        else:
-            ch.posted.append(w)
+            return self._send(ch, tensor, nbytes)
+        w = ShmWork(self, ch, False, tensor, nbytes)
+        ch.posted.append(w)
+        return w
+
+    def sender(self, label: str, peer: int) -> Callable[[torch.Tensor, int], ShmWork | None] | None:
+        """``post`` of a send to ``peer`` on ``label`` with its channel found now: a call of (tensor, its bytes) for a
+        hot path; None where the pair has no channel (the call itself returns None where the message takes gloo)."""
+        ch = self.channels.get((label, self.rank, peer))
+        if ch is None:
+            return None
+
+        def send(tensor: torch.Tensor, nbytes: int) -> ShmWork | None:
+            if nbytes > ch.max_message or not tensor.is_contiguous() or not tensor.is_cpu:
+                return None
+            return self._send(ch, tensor, nbytes)
+
+        return send
+
+    def _send(self, ch: Channel, tensor: torch.Tensor, nbytes: int) -> ShmWork:
+        """Write the message now where its ring has room and nothing is queued before it; else queue it for the
+        background thread."""
+        w = ShmWork(self, ch, True, tensor, nbytes)
+        with ch.lock:
+            if ch.pending or not ch.try_write(tensor, nbytes):
+                ch.pending.append(w)
+                self._start_flusher()
+            else:
+                w.done = True
         return w
 
     def progress(self, ch: Channel) -> None:
