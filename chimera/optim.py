@@ -72,9 +72,14 @@ def build_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
 
 
+#: the mark torch's LR schedulers put on the wrapper they set as an optimizer's ``step`` (to see it called)
+_SCHEDULER = "_wrapped_by_lr_sched"
+
+
 def step_without_range(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     """``optimizer.step`` as a call that skips the profiler range torch wraps every optimizer step in, where nothing
-    would see it: no profiler running and no step hook registered (then it is ``optimizer.step()`` itself).
+    would see it: no profiler running, no step hook registered, and the instance's ``step`` torch's own or the one
+    an LR scheduler wraps it in to see it called (whose flag it sets); elsewhere it is ``optimizer.step()`` itself.
 
     The range enters and leaves through two dispatcher calls and leaves an object for the collector. A pipeline
     worker steps once a step, on its step's critical path, after a sleep or a wait has left its caches cold: there
@@ -86,7 +91,7 @@ def step_without_range(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     """
     inner = getattr(type(optimizer).step, "__wrapped__", None)  # torch's optimizers: the step under the wrapper
     if inner is None:
-        return optimizer.step
+        return lambda: optimizer.step()  # looked up at each call: an LR scheduler may wrap it after this
     from torch.autograd import profiler
     from torch.optim import optimizer as torch_optimizer
 
@@ -94,8 +99,11 @@ def step_without_range(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
              optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks)
 
     def step() -> Any:
-        if profiler._is_profiler_enabled or any(hooks):
+        mine = optimizer.__dict__.get("step")  # set on the instance: an LR scheduler's wrapper, or someone else's
+        if profiler._is_profiler_enabled or any(hooks) or (mine is not None and not getattr(mine, _SCHEDULER, False)):
             return optimizer.step()
+        if mine is not None:
+            optimizer._opt_called = True  # what the scheduler's wrapper does before the step (it warns without it)
         return inner(optimizer)
 
     return step

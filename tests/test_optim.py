@@ -147,3 +147,28 @@ def test_a_step_without_the_range_keeps_it_where_it_is_seen() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
     assert any(e.name.startswith("Optimizer.step#SGD.step") for e in prof.events())  # a profiler sees its range
+
+
+def test_a_step_without_the_range_is_seen_by_the_lr_schedule_and_yields_to_other_wrappers() -> None:
+    import warnings
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = step_without_range(opt)  # made before the schedule wraps the instance's step, as the runtime makes it
+    schedule = warmup_decay_schedule(opt, 2, 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" where the schedule missed it
+        for _ in range(3):
+            model(torch.ones(1, 3)).sum().backward()
+            step()
+            schedule.step()
+    calls: list[int] = []
+    theirs = opt.step
+
+    def wrapped(*args, **kwargs):  # someone else's wrapper on the instance: the step goes through it
+        calls.append(1)
+        return theirs(*args, **kwargs)
+
+    opt.step = wrapped
+    step()
+    assert calls == [1]
