@@ -28,8 +28,8 @@ def test_small_receives_go_several_batches_ahead_large_ones_one():
     assert all(len(v) == 4 for k, v in mixed.items() if k <= idx[-5])
 
 
-def _compute(worker: int) -> tuple[StageCompute, list, object]:
-    cfg = TrainConfig.from_flags(model="gpt2-tiny", schedule="1f1b", stages=2, micro_batches=4, steps=1, threads=1,
+def _compute(worker: int, steps: int = 1) -> tuple[StageCompute, list, object]:
+    cfg = TrainConfig.from_flags(model="gpt2-tiny", schedule="1f1b", stages=2, micro_batches=4, steps=steps, threads=1,
                                  corpus="synthetic", partition="uniform")
     job = compile_job(cfg)
     mods = {(p, s): build_stage(job.chain, job.stage_layers[s], job.run.seed) for p, s in job.schedule.stages_of(worker)}
@@ -62,6 +62,38 @@ def test_the_first_stage_loads_ahead_only_forwards_after_a_message():
     first_f = next(k for k, seg in enumerate(segs) if seg[0].kind.value == "F")
     assert all(k > first_f for k in ahead)  # the step's first forward has no message before it
     assert ahead and all(segs[k][0].kind.is_p2p for k in ahead)
+
+
+def test_the_first_stage_loads_the_next_steps_first_forward_in_its_steps_last_batch():
+    compute, segs, job = _compute(0, steps=6)
+    last, units = compute.next_step_ahead(segs)
+    first_f = next(seg[0] for seg in segs if seg[0].kind.value == "F")
+    assert units == [(first_f.pipe, first_f.microbatch)]  # the step's first forward: no message before it
+    assert last == max(k for k, seg in enumerate(segs) if seg[0].kind.is_p2p)
+    compute.load_next(units, StepState(job.run.steps - 1, torch.device("cpu")))  # the run has no step after it
+    assert compute.preloaded == {}
+    compute.load_next(units, StepState(3, torch.device("cpu")))
+    assert list(compute.preloaded) == [(4, first_f.pipe, first_f.microbatch)]
+    compute.load_next([], StepState(3, torch.device("cpu")))  # an older entry is dropped when a later step starts
+    compute.preloaded[(2, first_f.pipe, 1)] = compute._data(first_f.pipe, 1, 2)
+    st = StepState(4, torch.device("cpu"))
+    compute.start_step(st)
+    assert compute.preloaded == {} and list(st.data) == [(first_f.pipe, first_f.microbatch)]
+    fresh = compute._data(first_f.pipe, first_f.microbatch, 4)
+    loaded = st.data[(first_f.pipe, first_f.microbatch)]
+    assert all(torch.equal(a, b) for a, b in zip(loaded[0].values(), fresh[0].values()))  # step 4's own inputs
+    compute.forward(first_f, st)  # the forward takes what was loaded
+    assert not st.data and len(st.stash) == 1
+
+
+def test_a_worker_with_no_message_loads_nothing_ahead():
+    cfg = TrainConfig.from_flags(model="gpt2-tiny", schedule="1f1b", stages=1, micro_batches=2, steps=1, threads=1,
+                                 corpus="synthetic", partition="uniform")
+    job = compile_job(cfg)
+    mods = {(p, s): build_stage(job.chain, job.stage_layers[s], job.run.seed) for p, s in job.schedule.stages_of(0)}
+    compute = StageCompute(job, mods, 0, 0, torch.device("cpu"), nullcontext())
+    segs = segments(job.schedule.actions[0])
+    assert compute.next_step_ahead(segs) is None and compute.data_ahead(segs) == {}
 
 
 def _fake_input(job, f):

@@ -54,6 +54,8 @@ class StageCompute:
         self.store = store if store is not None and store.offload.weights else None
         self.wait = store.wait if store is not None else None  # a stage's swap-in (GPU copy stream)
         self.units: Units = job.units()
+        # (step, pipe, micro-batch) -> data loaded in the step before (load_next)
+        self.preloaded: dict[tuple[int, str, int], tuple[Any, Any]] = {}
         # per-unit mean losses summed with 1/(units x W): gradients equal those of the whole mini-batch's mean
         self.loss_scale = 1.0 / (self.schedule.microbatches * self.schedule.data_parallel)
 
@@ -110,6 +112,37 @@ class StageCompute:
             elif Res.STASH in a.kind.spec.produces and self.modules[(a.pipe, a.stage)].reads_data:  # a forward
                 upcoming = [(a.pipe, mb) for mb in a.microbatches]
         return out
+
+    def next_step_ahead(self, segments: Sequence[Sequence[Action]]) -> tuple[int, list[tuple[str, int]]] | None:
+        """The units whose data the forwards before a step's first communication segment read (on a first or last
+        stage), and the step's last communication segment, which loads them for the next step while it waits
+        (:meth:`load_next`): a step's first forward is on its critical path. None where there are none, or no such
+        segment (a worker with no messages)."""
+        comm = [k for k, seg in enumerate(segments) if seg[0].kind.is_p2p]
+        if not comm:
+            return None
+        units = [(a.pipe, mb) for seg in segments[:comm[0]] for a in seg
+                 if Res.STASH in a.kind.spec.produces and self.modules[(a.pipe, a.stage)].reads_data
+                 for mb in a.microbatches]
+        return (comm[-1], units) if units else None
+
+    def load_next(self, units: Sequence[tuple[str, int]], st: StepState) -> None:
+        """Load ``units``' data for the step after ``st.step`` (where the run has one), kept until that step starts
+        (:meth:`start_step`)."""
+        step = st.step + 1
+        if step >= self.job.run.steps:
+            return
+        for pipe, mb in units:
+            if (step, pipe, mb) not in self.preloaded:
+                self.preloaded[(step, pipe, mb)] = self._data(pipe, mb, step)
+
+    def start_step(self, st: StepState) -> None:
+        """Give ``st`` the data loaded for its step in the step before (:meth:`load_next`); drop any older."""
+        if self.preloaded:
+            for key in [key for key in self.preloaded if key[0] <= st.step]:
+                data = self.preloaded.pop(key)
+                if key[0] == st.step:
+                    st.data[key[1:]] = data
 
     def load_ahead(self, units: Sequence[tuple[str, int]], st: StepState) -> None:
         """Load ``units``' data into ``st.data`` now (the worker waits for a message), not in the forward that reads

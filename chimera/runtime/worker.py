@@ -121,10 +121,7 @@ class PipelineWorker:
                                     keep_saved=account, store=self.stages.host)
         segs = segments(sched.actions[self.worker])
         self.batches = CommBatches(self.comm, self.job, self.worker, segs, self.device, self._what)
-        ahead = self.compute.data_ahead(segs)
-        if ahead:  # the next forward's data loaded while a batch waits for its receives
-            load = self.compute.load_ahead
-            self.batches.while_waiting = lambda k, st: load(ahead[k], st) if k in ahead else None
+        self.batches.while_waiting = self._loader(segs)
         handlers = handlers_for(self, {a.kind for a in sched.actions[self.worker]})
         self.executor = Executor(segs, handlers, self.batches, self.name)
         self._seg_starts = [sum(len(x) for x in segs[:k]) for k in range(len(segs))]
@@ -142,6 +139,23 @@ class PipelineWorker:
         return {"rank": self.rank, "worker": self.worker, "stages": sorted(self.stages.modules),
                 "device": str(self.device), "params": sum(p.numel() for p in self.stages.params), "pid": os.getpid(),
                 "cpus": self.cpus}
+
+    def _loader(self, segs: list[list[Action]]) -> Callable[[int, StepState], None] | None:
+        """What a communication batch does while it waits for its receives: load the data of the forward after it,
+        and in the step's last batch that of the next step's first forwards."""
+        ahead, nxt = self.compute.data_ahead(segs), self.compute.next_step_ahead(segs)
+        if not ahead and nxt is None:
+            return None
+        load, load_next = self.compute.load_ahead, self.compute.load_next
+        last, first = nxt if nxt is not None else (-1, [])
+
+        def while_waiting(k: int, st: StepState) -> None:
+            if k in ahead:
+                load(ahead[k], st)
+            if k == last:
+                load_next(first, st)
+
+        return while_waiting
 
     def _pin(self) -> list[int] | None:
         """``--cpu-affinity auto``: pin this process to its cores among its host's workers (a collective:
@@ -212,6 +226,7 @@ class PipelineWorker:
                 rec.start_step(step)  # a repeated run's events replace the first's
             self.comm.start_step()
             self.stages.start_step()
+            self.compute.start_step(st)
             self.executor.run(st, rec, self.ledger)
             if self.post is None or not self.post.settle():  # settle: the previous step rolled back, run again
                 break
