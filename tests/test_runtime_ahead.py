@@ -8,6 +8,7 @@ import torch
 
 from chimera.compile import compile_job
 from chimera.config import TrainConfig
+from chimera.microbatch import tensors
 from chimera.models import build_stage
 from chimera.runtime.batches import AHEAD_BATCHES, AHEAD_BYTES, _ahead
 from chimera.runtime.compute import StageCompute
@@ -84,6 +85,14 @@ def test_the_first_stage_loads_the_next_steps_first_forward_in_its_steps_last_ba
     assert all(torch.equal(a, b) for a, b in zip(loaded[0].values(), fresh[0].values()))  # step 4's own inputs
     compute.forward(first_f, st)  # the forward takes what was loaded
     assert not st.data and len(st.stash) == 1
+    # the memory ledger counts what waits for the next step (with the step's activations)
+    from chimera.runtime.ledger import MemoryLedger
+
+    ledger = MemoryLedger(None, None, compute=compute)
+    assert ledger._preloaded() == []
+    compute.load_next(units, st)
+    held = ledger._preloaded()
+    assert held and all(any(t is h for h in held) for t in tensors(list(compute.preloaded.values())))
 
 
 def test_a_worker_with_no_message_loads_nothing_ahead():

@@ -2,7 +2,8 @@
 
 With ``--profile-memory`` the executor asks the ledger to look after every action: it sums the unique storages
 of the tensors the runtime references (parameters, gradients, optimizer state, what the step stashes for its
-backwards including the tensors autograd saved, messages waiting or in flight, gradient-sum buffers), each
+backwards including the tensors autograd saved and the data loaded ahead of a forward (the next step's first ones
+too), messages waiting or in flight, gradient-sum buffers), each
 storage counted once, in the first category that holds it; with post-validated steps also the copies each stage's
 update keeps for a rollback (``rollback``). The step's peak and its breakdown go into the
 step's result; the memory model (``chimera.plan.memory``) is checked against it.
@@ -28,10 +29,11 @@ CATEGORIES = ("params", "optimizer", "grads", "activations", "messages", "sync",
 class MemoryLedger:
     """Peak bytes held by one worker in one step (module docstring)."""
 
-    def __init__(self, stages: Any, batches: Any, post: Any = None) -> None:
+    def __init__(self, stages: Any, batches: Any, post: Any = None, compute: Any = None) -> None:
         self.stages = stages
         self.batches = batches
         self.post = post  # the worker's PostValidation, if its steps are post-validated
+        self.compute = compute  # the worker's StageCompute: the next step's data it loaded ahead
         self.peak: dict[str, int] = {}
 
     def start_step(self) -> None:
@@ -54,7 +56,7 @@ class MemoryLedger:
             "params": _bytes(stages.device_params, seen) + packs,
             "optimizer": _bytes(_state_tensors(stages.optimizer), seen),
             "grads": _bytes((p.grad for p in stages.device_params if p.grad is not None), seen) + flying,
-            "activations": _bytes(_stash_tensors(st), seen),
+            "activations": _bytes(_stash_tensors(st) + self._preloaded(), seen),
             "messages": _bytes([*_tuples(st.inbox.values()), *_tuples(st.outbox.values()), *self.batches.held()],
                                seen),
             "sync": _bytes(sync, seen),
@@ -63,6 +65,11 @@ class MemoryLedger:
         total = sum(counts.values())
         if total > self.peak.get("total", 0):
             self.peak = {"total": total, **counts, "host": host_bytes}
+
+
+    def _preloaded(self) -> list[torch.Tensor]:
+        loaded = self.compute.preloaded if self.compute is not None else None
+        return tensors(list(loaded.values())) if loaded else []
 
 
 def _tuples(values: Iterable[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:

@@ -127,7 +127,7 @@ class PipelineWorker:
         self._seg_starts = [sum(len(x) for x in segs[:k]) for k in range(len(segs))]
         self.step_now = self.job.first_step
         self.failed_step: int | None = None
-        self.ledger = MemoryLedger(self.stages, self.batches, self.post) if account else None
+        self.ledger = MemoryLedger(self.stages, self.batches, self.post, self.compute) if account else None
         timeline = self.job.timeline
         self.recorder = (EventRecorder(self.rank, self.device, sched.bidirectional)
                          if timeline.profile or timeline.nsys else None)
