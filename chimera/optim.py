@@ -89,7 +89,10 @@ def step_without_range(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
         step = step_without_range(opt)
         loss.backward(); step(); opt.zero_grad()
     """
-    inner = getattr(type(optimizer).step, "__wrapped__", None)  # torch's optimizers: the step under the wrapper
+    wrapper = type(optimizer).step
+    # torch's optimizers: the step under torch's range (marked ``hooked``; a step under another decorator, such as
+    # ``torch.no_grad``, has a ``__wrapped__`` too, which must not be called bare)
+    inner = wrapper.__wrapped__ if getattr(wrapper, "hooked", False) else None
     if inner is None:
         return lambda: optimizer.step()  # looked up at each call: an LR scheduler may wrap it after this
     from torch.autograd import profiler

@@ -172,3 +172,21 @@ def test_a_step_without_the_range_is_seen_by_the_lr_schedule_and_yields_to_other
     opt.step = wrapped
     step()
     assert calls == [1]
+
+
+def test_a_step_of_an_optimizer_torch_does_not_wrap_is_its_own() -> None:
+    class Plain:  # not a torch optimizer: its step's only decorator is torch.no_grad
+        def __init__(self, params) -> None:
+            self.params = list(params)
+
+        @torch.no_grad()
+        def step(self) -> None:
+            for p in self.params:
+                p.add_(p.grad, alpha=-0.5)  # in place on a leaf: only without grad
+
+    model = torch.nn.Linear(3, 2)
+    opt = Plain(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    before = model.bias.detach().clone()
+    step_without_range(opt)()  # the bare function under no_grad would raise here
+    assert torch.equal(model.bias, before - 0.5)

@@ -75,8 +75,7 @@ def test_the_first_stage_loads_the_next_steps_first_forward_in_its_steps_last_ba
     assert compute.preloaded == {}
     compute.load_next(units, StepState(3, torch.device("cpu")))
     assert list(compute.preloaded) == [(4, first_f.pipe, first_f.microbatch)]
-    compute.load_next([], StepState(3, torch.device("cpu")))  # an older entry is dropped when a later step starts
-    compute.preloaded[(2, first_f.pipe, 1)] = compute._data(first_f.pipe, 1, 2)
+    compute.preloaded[(2, first_f.pipe, 1)] = compute._data(first_f.pipe, 1, 2)  # older: dropped when step 4 starts
     st = StepState(4, torch.device("cpu"))
     compute.start_step(st)
     assert compute.preloaded == {} and list(st.data) == [(first_f.pipe, first_f.microbatch)]
@@ -113,13 +112,13 @@ def _fake_input(job, f):
 
 
 class _Posts:
-    """The communicator's side of a batch, recorded: what each ``post`` call carried (a stand-in for the process
-    group a real communicator needs; its works complete at once)."""
+    """The communicator's side of a batch, recorded: each bound send, and what each ``post`` call carried (a
+    stand-in for the process group a real communicator needs; its works complete at once)."""
 
     prefetch_recvs = True
 
     def __init__(self) -> None:
-        self.calls: list[list[bool]] = []  # per post call, each op's is_send
+        self.calls: list[list[bool]] = []  # per send ([True]) or post call (each op's is_send)
         self.pipe_groups = {"down": None}
 
     def global_rank(self, worker: int) -> int:
