@@ -99,8 +99,11 @@ class CommBatches:
         for ahead in self.ahead.get(k, ()):
             if ahead not in self.prefetched:  # in batch order: what an earlier batch posted is a prefix
                 self.prefetched[ahead] = self._recv_ops(ahead, ops, owners)
-        if ops:
-            self._posted(ops, owners, step)
+        for op, (a, slot), w in zip(ops, owners, self.comm.post(ops) if ops else ()):
+            if op.is_send:
+                self.send_works.append((w, a, step, op.tensor))
+            else:
+                slot.append(w)  # type: ignore[union-attr]
         if earlier:
             self._drop_finished_sends(earlier)
         if self.while_waiting is not None:
@@ -109,14 +112,6 @@ class CommBatches:
             for w in works:
                 self.comm.wait(w, lambda a=a: self.describe(a, step))
             st.inbox[msg] = tensors
-
-    def _posted(self, ops: list[Op], owners: list[tuple[Action, list[Any] | None]], step: int) -> None:
-        """Post ``ops`` at once; keep the sends' handles, and give each receive's owner its handle."""
-        for op, (a, slot), w in zip(ops, owners, self.comm.post(ops)):
-            if op.is_send:
-                self.send_works.append((w, a, step, op.tensor))
-            else:
-                slot.append(w)  # type: ignore[union-attr]
 
     def _recv_ops(self, k: int, ops: list[Op], owners: list[tuple[Action, list[Any] | None]]
                   ) -> list[tuple[Action, Msg, tuple[torch.Tensor, ...], list[Any]]]:

@@ -203,7 +203,7 @@ class Communicator:
         label, ops, sizes = self._labels.get(id(group), "other"), self._ops, self._sizes
         shm = self.shm.sender(self._labels.get(id(group), ""), peer) if self.shm is not None else None
         g = group if group is not None else dist.group.WORLD
-        to = dist.get_group_rank(g, peer)
+        to = self._group_rank(g, peer)
 
         def send(t: torch.Tensor) -> dist.Work:
             nbytes = t.numel() * t.element_size()
@@ -222,11 +222,15 @@ class Communicator:
             work = self.shm.post(self._labels.get(id(op.group), ""), op.peer, op.is_send, op.tensor)
             if work is not None:
                 return work
-        key = (id(group), op.peer)
-        peer = self._group_peer.get(key)
-        if peer is None:
-            peer = self._group_peer[key] = dist.get_group_rank(group, op.peer)
-        return (group.send if op.is_send else group.recv)([op.tensor], peer, 0)
+        return (group.send if op.is_send else group.recv)([op.tensor], self._group_rank(group, op.peer), 0)
+
+    def _group_rank(self, group: Any, peer: int) -> int:
+        """Global rank ``peer``'s rank within ``group``, looked up once per pair."""
+        key = (id(group), peer)
+        rank = self._group_peer.get(key)
+        if rank is None:
+            rank = self._group_peer[key] = dist.get_group_rank(group, peer)
+        return rank
 
     def allreduce_async(self, t: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, dist.Work]:
         """Start a SUM allreduce of ``t`` (one byte in single-byte mode); returns (result tensor, work)."""

@@ -185,7 +185,7 @@ class ShmChannels:
         if ch is None:
             return None
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > ch.max_message or not tensor.is_contiguous() or not tensor.is_cpu:
+        if not _fits(ch, tensor, nbytes):
             return None
         if is_send:
             return self._send(ch, tensor, nbytes)
@@ -201,9 +201,7 @@ class ShmChannels:
             return None
 
         def send(tensor: torch.Tensor, nbytes: int) -> ShmWork | None:
-            if nbytes > ch.max_message or not tensor.is_contiguous() or not tensor.is_cpu:
-                return None
-            return self._send(ch, tensor, nbytes)
+            return self._send(ch, tensor, nbytes) if _fits(ch, tensor, nbytes) else None
 
         return send
 
@@ -332,6 +330,12 @@ class ShmChannels:
         for ch in self.channels.values():
             ch.close()
         self.channels.clear()
+
+
+def _fits(ch: Channel, tensor: torch.Tensor, nbytes: int) -> bool:
+    """Whether ``ch`` takes ``tensor`` (``nbytes`` bytes): within its message limit, contiguous, on the CPU (it is
+    copied by address); else the message takes gloo."""
+    return nbytes <= ch.max_message and tensor.is_contiguous() and tensor.is_cpu
 
 
 def _spin(ch: Channel, p: int, seconds: float) -> bool:
