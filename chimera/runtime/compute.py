@@ -58,6 +58,7 @@ class StageCompute:
         self.preloaded: dict[tuple[int, str, int], tuple[Any, Any]] = {}
         # per-unit mean losses summed with 1/(units x W): gradients equal those of the whole mini-batch's mean
         self.loss_scale = 1.0 / (self.schedule.microbatches * self.schedule.data_parallel)
+        self.seeds: dict[tuple[Any, ...], torch.Tensor] = {}  # the loss's seed gradient by its form (_loss_seed)
 
     # -- F ------------------------------------------------------------------------------------------
     def forward(self, a: Action, st: StepState) -> None:
@@ -192,8 +193,8 @@ class StageCompute:
             out = saved.output if saved.output is not None else self._recompute(mod, saved)
             if self.store:  # weights in packs: the last one in before the backward
                 self.store.backward_packs((a.pipe, a.stage))
-            if mod.is_last:
-                outs, out_grads = [out * self.loss_scale], None
+            if mod.is_last:  # the loss scaled through its seed gradient: no multiply, no node for it
+                outs, out_grads = [out], [self._loss_seed(out)]
             else:
                 pairs = [(t, gt) for t, gt in zip(out, _fill(g, out_specs)) if gt is not None and t.requires_grad]
                 outs, out_grads = [t for t, _ in pairs], [gt.to(t.dtype) for t, gt in pairs]
@@ -208,6 +209,16 @@ class StageCompute:
                                   for t, s in zip(saved.inputs, in_specs) if s.requires_grad))
         if sent:
             self._hand_over(Msg(Res.GRAD, a.pipe, a.stage, a.microbatch), cat(sent), a.pipe, a.stage - 1, st)
+
+    def _loss_seed(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient a unit's loss is differentiated with: ``loss_scale`` in the loss's shape, dtype and device
+        (the gradient ``loss * loss_scale`` would pass to the loss), made once per such form and only read by
+        autograd (a gradient it does not own is copied, never stolen)."""
+        key = (loss.shape, loss.dtype, loss.device)
+        seed = self.seeds.get(key)
+        if seed is None:
+            seed = self.seeds[key] = torch.full_like(loss, self.loss_scale)
+        return seed
 
     def _input_gradients(self, mod: StageModule, saved: Stashed, outs: list[torch.Tensor],
                          out_grads: list[torch.Tensor] | None) -> Kept:
