@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from chimera.compile import compile_job
 from chimera.config import TrainConfig
-from chimera.models import build_stage
+from chimera.models import build_stage, unit_seed
 from chimera.runtime.compute import StageCompute
 from chimera.runtime.step_state import StepState
 from chimera.schedule.kinds import Msg, Res
@@ -36,7 +36,7 @@ def test_the_last_stage_seeds_its_backward_with_the_loss_scale(schedule):
                                  partition="uniform")
     job = compile_job(cfg)
     mods = {(p, s): build_stage(job.chain, job.stage_layers[s], job.run.seed) for p, s in job.schedule.stages_of(1)}
-    (key, mod), = mods.items()
+    (_, mod), = mods.items()
     ref = copy.deepcopy(mod)
     compute = StageCompute(job, mods, 1, 0, torch.device("cpu"), nullcontext())
     assert compute.loss_scale == 1 / 3
@@ -63,10 +63,8 @@ def test_the_last_stage_seeds_its_backward_with_the_loss_scale(schedule):
     for b in backs:
         data = compute._data(b.pipe, b.microbatch, 0)
         x = tuple(t.detach().requires_grad_(True) for t in inputs[b.microbatch])
-        rng = compute.schedule.global_microbatch(b.pipe, b.microbatch)
-        from chimera.models import unit_seed
-
-        loss = ref(x, inputs=data[0], labels=data[1], rng=unit_seed(job.run.seed, 0, rng, 0))
+        unit = compute.schedule.global_microbatch(b.pipe, b.microbatch)
+        loss = ref(x, inputs=data[0], labels=data[1], rng=unit_seed(job.run.seed, 0, unit, 0))
         (loss * (1 / 3)).backward()
         got = st.outbox[Msg(Res.GRAD, b.pipe, b.stage, b.microbatch)]
         assert torch.equal(got[0], x[0].grad)  # the input gradient sent to stage 0

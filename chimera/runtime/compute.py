@@ -58,7 +58,7 @@ class StageCompute:
         self.preloaded: dict[tuple[int, str, int], tuple[Any, Any]] = {}
         # per-unit mean losses summed with 1/(units x W): gradients equal those of the whole mini-batch's mean
         self.loss_scale = 1.0 / (self.schedule.microbatches * self.schedule.data_parallel)
-        self.seeds: dict[tuple[Any, ...], torch.Tensor] = {}  # the loss's seed gradient by its form (_loss_seed)
+        self.loss_seeds: dict[tuple[Any, ...], torch.Tensor] = {}  # the loss's seed gradient by its form (_loss_seed)
 
     # -- F ------------------------------------------------------------------------------------------
     def forward(self, a: Action, st: StepState) -> None:
@@ -215,9 +215,9 @@ class StageCompute:
         (the gradient ``loss * loss_scale`` would pass to the loss), made once per such form and only read by
         autograd (a gradient it does not own is copied, never stolen)."""
         key = (loss.shape, loss.dtype, loss.device)
-        seed = self.seeds.get(key)
+        seed = self.loss_seeds.get(key)
         if seed is None:
-            seed = self.seeds[key] = torch.full_like(loss, self.loss_scale)
+            seed = self.loss_seeds[key] = torch.full_like(loss, self.loss_scale)
         return seed
 
     def _input_gradients(self, mod: StageModule, saved: Stashed, outs: list[torch.Tensor],
