@@ -66,8 +66,8 @@ class MemoryLedger:
         if total > self.peak.get("total", 0):
             self.peak = {"total": total, **counts, "host": host_bytes}
 
-
     def _preloaded(self) -> list[torch.Tensor]:
+        """The tensors of the next step's data the worker loaded ahead (``StageCompute.load_next``)."""
         loaded = self.compute.preloaded if self.compute is not None else None
         return tensors(list(loaded.values())) if loaded else []
 
