@@ -10,7 +10,8 @@ from torch import nn
 import chimera
 from chimera.api import build_job as chain_job
 from chimera.config import ConfigError
-from chimera.models import ChainError, LayerChain, TensorSpec
+from chimera.models import ChainError, LayerChain, TensorSpec, build_stage
+from chimera.models import stage as stage_mod
 from chimera.runtime import run_local, stage_params_by_layer, train_sequential
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,3 +140,51 @@ def test_bad_data_and_options_are_refused():
         chimera.train(cnn(), images, stage=2)
     with pytest.raises(ChainError, match="at least one layer"):
         LayerChain([], nn.functional.mse_loss, (torch.zeros(1), torch.zeros(1)))
+
+
+@torch.library.custom_op("chimera_test::shifted", mutates_args=())
+def _shifted(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@_shifted.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _Noise(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand_like(x)
+
+
+class _Custom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _shifted(x)
+
+
+def noisy_chain() -> LayerChain:
+    """Layers that draw (dropout, a random op, a custom op that might) and layers that do not (dropout at 0)."""
+    layers = [lambda: nn.Linear(4, 4), lambda: nn.Dropout(0.5), lambda: nn.Dropout(0.0), _Noise, _Custom,
+              lambda: nn.Linear(4, 4)]
+    return LayerChain(layers, loss=lambda out, y: ((out - y) ** 2).mean(), example=(torch.ones(3, 4), torch.zeros(3, 4)),
+                      name="noisy")
+
+
+def test_only_layers_that_draw_are_seeded(monkeypatch):
+    """The meta-device probe finds which layers draw random numbers: dropout above 0, a tagged random op, and any
+    operation outside torch's own (it might); a stage seeds only those, and one with none touches no generator."""
+    chain = noisy_chain()
+    assert [chain.draws(i) for i in range(chain.num_layers)] == [False, True, False, True, True, False]
+    calls = []
+    real = stage_mod._seeding
+    monkeypatch.setattr(stage_mod, "_seeding", lambda dev: calls.append(dev) or real(dev))
+    quiet = build_stage(chain, [2], seed=0)
+    x = (torch.randn(3, 4),)
+    before = torch.get_rng_state()
+    assert torch.equal(quiet(x, rng=5)[0], quiet(x, rng=None)[0]) and not calls
+    assert torch.equal(torch.get_rng_state(), before)
+    loud = build_stage(chain, [1, 2, 3], seed=0)
+    assert loud.seeds == [1, None, 3]
+    a, b, c = (loud(x, rng=r)[0] for r in (5, 5, 6))
+    assert len(calls) == 3 and torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(torch.get_rng_state(), before)  # the generator outside left as it was

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from chimera.microbatch import resized, rows
 
@@ -112,6 +113,7 @@ class LayerChain:
         self.name = name
         self.data = data
         self._specs: dict[int, list[list[TensorSpec]]] = {}
+        self._draws: list[bool] | None = None  # per layer, found by the first inference (draws)
 
     @property
     def num_layers(self) -> int:
@@ -148,6 +150,16 @@ class LayerChain:
         chain that splits another chain's layer into parts gives every part the whole layer's index (with the same
         draws), so that both chains start from the same weights and draw the same masks."""
         return index
+
+    def draws(self, index: int) -> bool:
+        """Whether layer ``index`` draws random numbers (dropout): it ran, on the example on the meta device, an
+        operation tagged ``nondeterministic_seeded`` or one outside torch's own (``aten``, ``prims``), which might.
+        Only such layers are seeded per unit (:class:`~chimera.models.stage.StageModule`): the others draw nothing
+        whatever their seed."""
+        if self._draws is None:
+            self.boundaries(rows(self.example))
+        assert self._draws is not None
+        return self._draws[index]
 
     def tied_parameters(self) -> list[Tied]:
         """Pairs ``((layer, param_name), (layer, param_name))`` that are one parameter of the model."""
@@ -222,11 +234,14 @@ class LayerChain:
     def _infer(self, samples: int) -> list[list[TensorSpec]]:
         inputs, labels = resized(self.example, samples)
         out: list[list[TensorSpec]] = [[]]
+        draws = []
         x = inputs
         for i in range(self.num_layers):
             layer = self._build(i, 0, meta=True)
             try:
-                x = call(layer, x)
+                with _DrawProbe() as probe:
+                    x = call(layer, x)
+                draws.append(probe.draws)
             except Exception as e:
                 raise ChainError(f"layer {i} of {self.name} ({type(layer).__name__}) fails on the example micro-batch "
                                  f"({'its inputs' if i == 0 else 'the output of layer ' + str(i - 1)}: "
@@ -249,10 +264,25 @@ class LayerChain:
                              f"{type(e).__name__}: {e}") from None
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             raise ChainError(f"the loss of {self.name} must return a floating-point scalar tensor, got {_describe(loss)}")
+        if self._draws is None:
+            self._draws = draws
         return out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, num_layers={self.num_layers})"
+
+
+class _DrawProbe(TorchDispatchMode):
+    """Whether anything run under it may draw from torch's generators (:meth:`LayerChain.draws`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.draws:
+            self.draws = torch.Tag.nondeterministic_seeded in func.tags or func.namespace not in ("aten", "prims")
+        return func(*args, **(kwargs or {}))
 
 
 def _describe(x: Any) -> str:
