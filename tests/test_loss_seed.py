@@ -1,6 +1,7 @@
-"""The last stage differentiates each unit's loss from a seed gradient equal to the loss scale (1 / units x W),
-instead of multiplying the loss by the scale first: the same gradients bit for bit, one tensor operation and one
-autograd node fewer per unit on a backward that sits on the step's critical path."""
+"""The backward's short paths, each the same gradients bit for bit: the last stage differentiates each unit's loss
+from a seed gradient equal to the loss scale (1 / units x W) instead of multiplying the loss by the scale first (one
+tensor operation and one autograd node fewer per unit on a backward that sits on the step's critical path), and
+every backward calls autograd's engine without torch.autograd.backward's Python checks in front of it."""
 
 import copy
 from contextlib import nullcontext
@@ -12,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from chimera.compile import compile_job
 from chimera.config import TrainConfig
 from chimera.models import build_stage, unit_seed
-from chimera.runtime.compute import StageCompute
+from chimera.runtime.compute import StageCompute, differentiate
 from chimera.runtime.step_state import StepState
 from chimera.schedule.kinds import Msg, Res
 
@@ -70,3 +71,22 @@ def test_the_last_stage_seeds_its_backward_with_the_loss_scale(schedule):
         assert torch.equal(got[0], x[0].grad)  # the input gradient sent to stage 0
     for p, q in zip(mod.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_differentiate_is_torch_backward_with_the_engine_checks():
+    """The engine call gives torch.autograd.backward's gradients (accumulated into ``.grad``, as a second unit's
+    are), and the engine still refuses a gradient whose shape is not its output's."""
+    gen = torch.Generator().manual_seed(3)
+    layer = torch.nn.Linear(5, 4)
+    x = torch.randn(3, 5, generator=gen)
+    grads = [torch.randn(3, 4, generator=gen) for _ in range(2)]
+    got, want = copy.deepcopy(layer), copy.deepcopy(layer)
+    for g in grads:
+        xs = [x.clone().requires_grad_(True) for _ in range(2)]
+        differentiate([got(xs[0])], [g])
+        torch.autograd.backward([want(xs[1])], [g])
+        assert torch.equal(xs[0].grad, xs[1].grad)
+    for p, q in zip(got.parameters(), want.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    with pytest.raises(RuntimeError, match="shape"):
+        differentiate([layer(x)], [torch.ones(3, 5)])
