@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import chimera
 from chimera.api import build_job as chain_job
@@ -162,19 +163,30 @@ class _Custom(nn.Module):
         return _shifted(x)
 
 
+class _Refuses(nn.Module):
+    """Refuses to run under a Python dispatch mode, as some higher-order operators do."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _get_current_dispatch_mode() is not None:
+            raise RuntimeError("no rule for this dispatch mode")
+        return x * 2
+
+
 def noisy_chain() -> LayerChain:
-    """Layers that draw (dropout, a random op, a custom op that might) and layers that do not (dropout at 0)."""
-    layers = [lambda: nn.Linear(4, 4), lambda: nn.Dropout(0.5), lambda: nn.Dropout(0.0), _Noise, _Custom,
+    """Layers that draw (dropout, a random op, a custom op that might, one the probe cannot watch) and layers that
+    do not (dropout at 0)."""
+    layers = [lambda: nn.Linear(4, 4), lambda: nn.Dropout(0.5), lambda: nn.Dropout(0.0), _Noise, _Custom, _Refuses,
               lambda: nn.Linear(4, 4)]
     return LayerChain(layers, loss=lambda out, y: ((out - y) ** 2).mean(), example=(torch.ones(3, 4), torch.zeros(3, 4)),
                       name="noisy")
 
 
 def test_only_layers_that_draw_are_seeded(monkeypatch):
-    """The meta-device probe finds which layers draw random numbers: dropout above 0, a tagged random op, and any
-    operation outside torch's own (it might); a stage seeds only those, and one with none touches no generator."""
+    """The meta-device probe finds which layers draw random numbers: dropout above 0, a tagged random op, any
+    operation outside torch's own (it might) and a layer the probe cannot watch; a stage seeds only those, and one
+    with none touches no generator."""
     chain = noisy_chain()
-    assert [chain.draws(i) for i in range(chain.num_layers)] == [False, True, False, True, True, False]
+    assert [chain.draws(i) for i in range(chain.num_layers)] == [False, True, False, True, True, True, False]
     calls = []
     real = stage_mod._seeding
     monkeypatch.setattr(stage_mod, "_seeding", lambda dev: calls.append(dev) or real(dev))

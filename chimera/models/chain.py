@@ -239,9 +239,8 @@ class LayerChain:
         for i in range(self.num_layers):
             layer = self._build(i, 0, meta=True)
             try:
-                with _DrawProbe() as probe:
-                    x = call(layer, x)
-                draws.append(probe.draws)
+                x, drew = _probed(layer, x)
+                draws.append(drew)
             except Exception as e:
                 raise ChainError(f"layer {i} of {self.name} ({type(layer).__name__}) fails on the example micro-batch "
                                  f"({'its inputs' if i == 0 else 'the output of layer ' + str(i - 1)}: "
@@ -272,6 +271,16 @@ class LayerChain:
         return f"{type(self).__name__}(name={self.name!r}, num_layers={self.num_layers})"
 
 
+def _probed(layer: nn.Module, x: Any) -> tuple[Any, bool]:
+    """``call(layer, x)`` and whether it may draw random numbers. A layer the probe cannot watch (an operation that
+    refuses Python dispatch modes, such as some higher-order operators) runs again without it and counts as drawing."""
+    try:
+        with _DrawProbe() as probe:
+            return call(layer, x), probe.draws
+    except Exception:
+        return call(layer, x), True
+
+
 class _DrawProbe(TorchDispatchMode):
     """Whether anything run under it may draw from torch's generators (:meth:`LayerChain.draws`)."""
 
@@ -281,7 +290,8 @@ class _DrawProbe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if not self.draws:
-            self.draws = torch.Tag.nondeterministic_seeded in func.tags or func.namespace not in ("aten", "prims")
+            self.draws = (torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+                          or getattr(func, "namespace", None) not in ("aten", "prims"))
         return func(*args, **(kwargs or {}))
 
 

@@ -32,6 +32,11 @@ from chimera.runtime.step_state import Kept, Slot, Stashed, StepState
 from chimera.schedule import Action
 from chimera.schedule.kinds import Msg, Res
 
+try:  # the engine's entry point behind torch.autograd.backward (torch >= 2.3): differentiate
+    from torch.autograd.graph import _engine_run_backward as _run_backward
+except ImportError:  # pragma: no cover - a torch without it
+    _run_backward = None
+
 
 class StageCompute:
     """Forward and backward of the stage replicas ``modules`` of one worker."""
@@ -280,12 +285,6 @@ def differentiate(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
         torch.autograd.backward(outputs, grads)
     elif outputs:
         _run_backward(tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
-
-
-try:  # the engine's entry point behind torch.autograd.backward (torch >= 2.3)
-    from torch.autograd.graph import _engine_run_backward as _run_backward
-except ImportError:  # pragma: no cover - older or newer torch without it
-    _run_backward = None
 
 
 def _fill(grads: tuple[torch.Tensor, ...], specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
