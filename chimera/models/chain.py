@@ -153,7 +153,8 @@ class LayerChain:
 
     def draws(self, index: int) -> bool:
         """Whether layer ``index`` draws random numbers (dropout): it ran, on the example on the meta device, an
-        operation tagged ``nondeterministic_seeded`` or one outside torch's own (``aten``, ``prims``), which might.
+        operation tagged ``nondeterministic_seeded`` or one outside torch's own (``aten``, ``prims``), which might,
+        or it could not run under the probe (counted as drawing).
         Only such layers are seeded per unit (:class:`~chimera.models.stage.StageModule`): the others draw nothing
         whatever their seed."""
         if self._draws is None:

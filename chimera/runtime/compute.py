@@ -5,9 +5,10 @@ An F action over ``count`` micro-batches (Chimera's forward doubling, or a whole
 halving) receives them as one message, runs the stage on each micro-batch in turn, stashes each for its own
 backward and sends the outputs on as one message. Running the micro-batches one by one keeps every sample's
 arithmetic exactly that of sequential training, whatever the schedule. With ``recompute`` the forward keeps only
-its inputs, and the backward runs the forward again before differentiating. Every forward seeds its layers' random
-draws (dropout) from the unit (``chimera.models.stage.unit_seed``: seed, step, micro-batch, data-parallel rank), so
-recomputation draws the forward's masks again and sequential training draws the same.
+its inputs, and the backward runs the forward again before differentiating. Every forward seeds the random draws
+(dropout) of the layers that draw (the chain's ``draws``) from the unit (``chimera.models.stage.unit_seed``: seed,
+step, micro-batch, data-parallel rank), so recomputation draws the forward's masks again and sequential training
+draws the same; a stage none of whose layers draws needs no seed.
 
 A split backward runs torch.distributed.pipelining's two halves: I differentiates with respect to the stage's
 inputs only (autograd keeps the graph from where the weights' gradients branch off, and the gradients that reached
