@@ -235,13 +235,16 @@ class LayerChain:
     def _infer(self, samples: int) -> list[list[TensorSpec]]:
         inputs, labels = resized(self.example, samples)
         out: list[list[TensorSpec]] = [[]]
-        draws = []
+        draws: list[bool] | None = [] if self._draws is None else None  # found once, by the first inference
         x = inputs
         for i in range(self.num_layers):
             layer = self._build(i, 0, meta=True)
             try:
-                x, drew = _probed(layer, x)
-                draws.append(drew)
+                if draws is None:
+                    x = call(layer, x)
+                else:
+                    x, drew = _probed(layer, x)
+                    draws.append(drew)
             except Exception as e:
                 raise ChainError(f"layer {i} of {self.name} ({type(layer).__name__}) fails on the example micro-batch "
                                  f"({'its inputs' if i == 0 else 'the output of layer ' + str(i - 1)}: "
@@ -264,7 +267,7 @@ class LayerChain:
                              f"{type(e).__name__}: {e}") from None
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             raise ChainError(f"the loss of {self.name} must return a floating-point scalar tensor, got {_describe(loss)}")
-        if self._draws is None:
+        if draws is not None:
             self._draws = draws
         return out
 
