@@ -15,7 +15,8 @@ rows' processes are up, so that their idle load is in it, right before and right
 averaged: :meth:`Calibration.mean`): the lowered schedule the job runs, every message the
 one-way time of a ping-pong between two processes of this machine over the runtime's p2p (shared memory), and as
 much of the worker's time to post and complete it, every send the runtime's time per send beyond that, every
-gradient sum one such exchange, every compute action the runtime's fixed time per action of its kind
+gradient sum one such exchange and the runtime's time per start and wait of a sum beyond it (a short Chimera job
+of the calibration, :func:`chimera.calibrate.sync_times`), every compute action the runtime's fixed time per action of its kind
 (:func:`chimera.calibrate.measure_runtime`, its blocks sleeping like the rows' actions, up to 10 ms: beyond its
 sleeps), and every step what those 1F1B steps take beyond their simulation with those costs, charged to the
 optimizer step. Where the rows' workers outnumber the machine's cores (four on the 2-core development machine,

@@ -17,6 +17,13 @@ waited for its peer). Charging every send and receive the lower quartile of its 
 receive's hold waits) had 1F1B at tf = 0.5 ms, D = 4, N = 8 (whose steady state posts every send with a receive)
 predicted 6 % long; without the sends' time, 4 % short at 2 ms.
 
+A gradient sum over a stage's replicas costs its workers too: its start flattens the gradients and posts them, its
+wait adds the peer's bucket and unflattens the sum (~0.04 ms each on the 2-core development machine with the delay
+model at tf = 0, the start ~0.09 ms with 2 ms sleeps). 1F1B has no replicas, so :func:`measure_runtime` also runs
+Chimera (every stage on two workers) for a few steps and gives each kind of :data:`SYNCS` its fixed time
+(:func:`sync_times`): the start beyond ``p2p_s`` (the busy time the simulator charges it already), the wait from
+when the peer's bucket could have arrived.
+
 What a step pays once beyond its actions (:func:`step_remainder` of :func:`measure_runtime`'s runs) is the rest of
 the runtime's own time; ``chimera profile --comm local`` records both (``Profile.actions``, ``Profile.step_s``).
 
@@ -51,13 +58,18 @@ if TYPE_CHECKING:
 KINDS = ("F", "B", "I", "W")
 #: the send kinds, which get the time of a send beyond ``p2p_busy`` (:func:`send_times`)
 SENDS = tuple(k.value for k, spec in SPECS.items() if spec.role is Role.SEND)
+#: the gradient sum's kinds, measured on a job with replicas (:func:`sync_times`)
+SYNCS = (Kind.ALLREDUCE_START.value, Kind.ALLREDUCE_WAIT.value)
+#: steps of the replica job (the first ``skip`` not recorded): its sums are measured, not its step
+SYNC_STEPS = 8
 
 
 @dataclass(frozen=True)
 class RuntimeRun:
     """One calibration job (:func:`measure_runtime`): the lowered schedule it ran, whether its backward was split,
     the median seconds of its timed steps, and what the runtime itself took per action by kind: each compute kind
-    beyond its sleeps, each send kind beyond ``p2p_s`` (the median of :func:`send_times`)."""
+    beyond its sleeps, each send kind beyond ``p2p_s`` (the median of :func:`send_times`), each kind of a gradient
+    sum as the replica job measured it (:func:`sync_times`; the same in both runs)."""
 
     schedule: Schedule
     split: bool
@@ -81,13 +93,11 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
     each (:class:`RuntimeRun`): steps ``skip`` to ``skip + max(1, (steps - skip) // 4) - 1`` record their actions
     (hundreds of them), one more is left out, the rest are timed, as they record nothing and follow a step that
     recorded nothing (a recording step runs slower, and consecutive steps overlap: the one after it starts late).
+    With an even number of workers, Chimera then runs :data:`SYNC_STEPS` steps for the gradient sums' costs
+    (:func:`sync_times`), which both runs' ``fixed`` carry.
     ``launch`` runs each job and returns its records and events (default :func:`~chimera.runtime.run_local`):
     measure on the launcher whose steps are to be predicted. ``p2p_s``: what the simulator charges every send and
-    receive already (the comm profile's ``p2p_busy``)."""
-    from chimera.compile import compile_job
-    from chimera.config import TrainConfig
-    from chimera.runtime.launch import run_local
-
+    receive already (the comm profile's ``p2p_busy``), and every gradient sum's start."""
     if workers < 2 or steps < skip + 3:
         raise ValueError(f"need workers >= 2 and steps >= skip + 3, got workers={workers}, steps={steps}, skip={skip}")
     recorded = tuple(range(skip, skip + max(1, (steps - skip) // 4)))
@@ -95,15 +105,15 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
         raise ValueError(f"sleep_s is seconds per block, >= 0; got {sleep_s}")
     n = micro_batches or 2 * workers
     slept = sleeps(sleep_s, workers)
+    syncs: dict[str, float] = {}
+    if workers % 2 == 0:  # Chimera's replicas: every stage on two workers
+        job = _delay_job("chimera", False, workers, n, skip + SYNC_STEPS, sleep_s, device,
+                         tuple(range(skip, skip + SYNC_STEPS // 2)))
+        syncs = sync_times((launch or _run_local)(job).events, p2p_s)
     runs = []
     for split in (False, True):
-        cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": workers, "fwd_s": sleep_s},
-                                     schedule="1f1b", split_backward=split, stages=workers, micro_batches=n,
-                                     micro_batch_size=2, steps=steps, optimizer="sgd", lr=1e-3, clip_grad=0.0,
-                                     threads=1, device=device, corpus="synthetic", partition="uniform", profile=True,
-                                     profile_steps=recorded)
-        job = compile_job(cfg)
-        result = (launch or run_local)(job)
+        job = _delay_job("1f1b", split, workers, n, steps, sleep_s, device, recorded)
+        result = (launch or _run_local)(job)
         durations: dict[str, list[float]] = defaultdict(list)
         for e in result.events:
             if e.kind in KINDS:
@@ -114,8 +124,51 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
         sends = send_times(result.events, p2p_s)
         if sends:
             fixed.update(dict.fromkeys(SENDS, statistics.median(sends)))
-        runs.append(RuntimeRun(job.schedule, split, statistics.median(timed), fixed))
+        runs.append(RuntimeRun(job.schedule, split, statistics.median(timed), {**fixed, **syncs}))
     return runs
+
+
+def _delay_job(schedule: str, split: bool, workers: int, micro_batches: int, steps: int, sleep_s: float, device: str,
+               recorded: tuple[int, ...]) -> Job:
+    """A calibration job: the delay model (one block per worker, sleeping ``sleep_s``) on ``schedule``, recording
+    the steps ``recorded``."""
+    from chimera.compile import compile_job
+    from chimera.config import TrainConfig
+
+    cfg = TrainConfig.from_flags(model="delay", model_overrides={"num_blocks": workers, "fwd_s": sleep_s},
+                                 schedule=schedule, split_backward=split, stages=workers, micro_batches=micro_batches,
+                                 micro_batch_size=2, steps=steps, optimizer="sgd", lr=1e-3, clip_grad=0.0, threads=1,
+                                 device=device, corpus="synthetic", partition="uniform", profile=True,
+                                 profile_steps=recorded)
+    return compile_job(cfg)
+
+
+def _run_local(job: Job) -> LocalResult:
+    from chimera.runtime.launch import run_local
+
+    return run_local(job)
+
+
+def sync_times(events: Sequence[Event], p2p_s: float = 0.0) -> dict[str, float]:
+    """The gradient sums' fixed seconds by kind (:data:`SYNCS`), medians over ``events``: a start's interval less
+    ``p2p_s`` (its busy time in the simulation); a wait's from when the last other replica's start of the same
+    stage and step ended plus ``p2p_s`` (its bucket's flight), or from its own start if later, to its end: what it
+    takes once the sum can complete. {} where no sum was recorded."""
+    starts: dict[tuple[int, int], list[Event]] = defaultdict(list)
+    for e in events:
+        if e.kind == Kind.ALLREDUCE_START.value:
+            starts[(e.iteration, e.stage)].append(e)
+    begun, waited = [], []
+    for e in events:
+        if e.kind == Kind.ALLREDUCE_START.value:
+            begun.append(max(0.0, e.end - e.start - p2p_s))
+        elif e.kind == Kind.ALLREDUCE_WAIT.value:
+            others = [s.end for s in starts[(e.iteration, e.stage)] if s.worker != e.worker]
+            if others:
+                waited.append(max(0.0, e.end - max(e.start, max(others) + p2p_s)))
+    if not begun or not waited:
+        return {}
+    return dict(zip(SYNCS, (statistics.median(begun), statistics.median(waited))))
 
 
 def send_times(events: Sequence[Event], p2p_s: float = 0.0) -> list[float]:

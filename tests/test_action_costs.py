@@ -154,11 +154,35 @@ def test_the_calibration_measures_each_backward_form_on_its_own():
 
     whole, split = measure_runtime(2, steps=6, skip=2, p2p_s=1e-6)
     assert (whole.split, split.split) == (False, True)
-    assert set(whole.fixed) == {"F", "B", "SEND_F", "SEND_B"}
-    assert set(split.fixed) == {"F", "I", "W", "SEND_F", "SEND_B"}
+    assert set(whole.fixed) == {"F", "B", "SEND_F", "SEND_B", "AR_START", "AR_WAIT"}
+    assert set(split.fixed) == {"F", "I", "W", "SEND_F", "SEND_B", "AR_START", "AR_WAIT"}
     for run in (whole, split):
         assert 0 < run.fixed["SEND_F"] == run.fixed["SEND_B"] < 0.05 and 0 < run.step_s < 1
         assert any(a.kind.value == "W" for row in run.schedule.actions for a in row) is run.split
+        # the gradient sums come from the replica job, the same figures in both runs; 1F1B itself has none
+        assert 0 < run.fixed["AR_START"] < 0.05 and 0 <= run.fixed["AR_WAIT"] < 0.05
+        assert not any(a.kind.value == "AR_START" for row in run.schedule.actions for a in row)
+    assert (whole.fixed["AR_START"], whole.fixed["AR_WAIT"]) == (split.fixed["AR_START"], split.fixed["AR_WAIT"])
+    # an odd number of workers has no Chimera to measure sums on: none are priced
+    (odd, _) = measure_runtime(3, steps=5, skip=2)
+    assert "AR_START" not in odd.fixed and "AR_WAIT" not in odd.fixed
+
+
+def test_sync_times_are_a_sums_start_beyond_its_busy_time_and_its_wait_after_the_peers_bucket():
+    """``sync_times``: a start's interval less ``p2p_s``; a wait from the other replica's start of the same stage and
+    step (its end plus the flight ``p2p_s``), or from its own start where that is later; medians by kind."""
+    from chimera.calibrate import sync_times
+    from chimera.timeline.events import Event
+
+    events = [Event(0, "AR_START", "d", 0, -1, 1.0, 1.3, 5), Event(1, "AR_START", "u", 0, -1, 2.0, 2.5, 5),
+              Event(0, "AR_WAIT", "d", 0, -1, 1.4, 2.8, 5),  # waits for worker 1's start: from 2.5 + 0.1
+              Event(1, "AR_WAIT", "u", 0, -1, 3.0, 3.2, 5),  # worker 0's bucket long there: from its own start
+              Event(0, "AR_START", "d", 1, -1, 4.0, 4.2, 5),  # stage 1's sum: no other replica recorded
+              Event(0, "AR_WAIT", "d", 1, -1, 4.2, 4.9, 5),
+              Event(1, "AR_WAIT", "u", 0, -1, 6.0, 6.9, 6)]  # another step: worker 0's start of step 5 does not count
+    got = sync_times(events, 0.1)
+    assert got == pytest.approx({"AR_START": 0.2, "AR_WAIT": 0.2})  # starts 0.2, 0.4, 0.1; waits 0.2, 0.2
+    assert sync_times(events[:1], 0.1) == {}  # no wait: nothing priced
 
 
 def test_the_benchmarks_two_calibrations_average_figure_by_figure():
