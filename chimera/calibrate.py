@@ -60,8 +60,8 @@ KINDS = ("F", "B", "I", "W")
 SENDS = tuple(k.value for k, spec in SPECS.items() if spec.role is Role.SEND)
 #: the gradient sum's kinds, measured on a job with replicas (:func:`sync_times`)
 SYNCS = (Kind.ALLREDUCE_START.value, Kind.ALLREDUCE_WAIT.value)
-#: steps of the replica job (the first ``skip`` not recorded): its sums are measured, not its step
-SYNC_STEPS = 8
+#: recorded steps of the replica job (after ``skip`` unrecorded ones): its sums are measured, not its steps
+SYNC_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,9 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
     each (:class:`RuntimeRun`): steps ``skip`` to ``skip + max(1, (steps - skip) // 4) - 1`` record their actions
     (hundreds of them), one more is left out, the rest are timed, as they record nothing and follow a step that
     recorded nothing (a recording step runs slower, and consecutive steps overlap: the one after it starts late).
-    With an even number of workers, Chimera then runs :data:`SYNC_STEPS` steps for the gradient sums' costs
-    (:func:`sync_times`), which both runs' ``fixed`` carry.
+    With an even number of workers, Chimera first runs ``skip`` + :data:`SYNC_STEPS` steps, the last
+    :data:`SYNC_STEPS` recorded, for the gradient sums' costs (:func:`sync_times`), which both runs' ``fixed``
+    carry.
     ``launch`` runs each job and returns its records and events (default :func:`~chimera.runtime.run_local`):
     measure on the launcher whose steps are to be predicted. ``p2p_s``: what the simulator charges every send and
     receive already (the comm profile's ``p2p_busy``), and every gradient sum's start."""
@@ -108,7 +109,7 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
     syncs: dict[str, float] = {}
     if workers % 2 == 0:  # Chimera's replicas: every stage on two workers
         job = _delay_job("chimera", False, workers, n, skip + SYNC_STEPS, sleep_s, device,
-                         tuple(range(skip, skip + SYNC_STEPS // 2)))
+                         tuple(range(skip, skip + SYNC_STEPS)))
         syncs = sync_times((launch or _run_local)(job).events, p2p_s)
     runs = []
     for split in (False, True):
