@@ -107,8 +107,8 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
     n = micro_batches or 2 * workers
     slept = sleeps(sleep_s, workers)
     syncs: dict[str, float] = {}
-    if workers % 2 == 0:  # Chimera's replicas: every stage on two workers
-        job = _delay_job("chimera", False, workers, n, skip + SYNC_STEPS, sleep_s, device,
+    if workers % 2 == 0:  # Chimera's replicas: every stage on two workers (2 micro-batches per worker: any N would do)
+        job = _delay_job("chimera", False, workers, 2 * workers, skip + SYNC_STEPS, sleep_s, device,
                          tuple(range(skip, skip + SYNC_STEPS)))
         syncs = sync_times((launch or _run_local)(job).events, p2p_s)
     runs = []

@@ -163,9 +163,11 @@ def test_the_calibration_measures_each_backward_form_on_its_own():
         assert 0 < run.fixed["AR_START"] < 0.05 and 0 <= run.fixed["AR_WAIT"] < 0.05
         assert not any(a.kind.value == "AR_START" for row in run.schedule.actions for a in row)
     assert (whole.fixed["AR_START"], whole.fixed["AR_WAIT"]) == (split.fixed["AR_START"], split.fixed["AR_WAIT"])
-    # an odd number of workers has no Chimera to measure sums on: none are priced
+    # an odd number of workers has no Chimera to measure sums on: none are priced; the sums' job takes its own N
     (odd, _) = measure_runtime(3, steps=5, skip=2)
     assert "AR_START" not in odd.fixed and "AR_WAIT" not in odd.fixed
+    (any_n, _) = measure_runtime(2, steps=5, skip=2, micro_batches=3)  # Chimera refuses N = 3 at D = 2
+    assert any_n.fixed["AR_START"] > 0
 
 
 def test_sync_times_are_a_sums_start_beyond_its_busy_time_and_its_wait_after_the_peers_bucket():
