@@ -104,17 +104,19 @@ def measure_runtime(workers: int = 2, steps: int = 12, skip: int = 4, micro_batc
     recorded = tuple(range(skip, skip + max(1, (steps - skip) // 4)))
     if sleep_s < 0:
         raise ValueError(f"sleep_s is seconds per block, >= 0; got {sleep_s}")
+    if launch is None:
+        from chimera.runtime.launch import run_local as launch
     n = micro_batches or 2 * workers
     slept = sleeps(sleep_s, workers)
     syncs: dict[str, float] = {}
     if workers % 2 == 0:  # Chimera's replicas: every stage on two workers (2 micro-batches per worker: any N would do)
         job = _delay_job("chimera", False, workers, 2 * workers, skip + SYNC_STEPS, sleep_s, device,
                          tuple(range(skip, skip + SYNC_STEPS)))
-        syncs = sync_times((launch or _run_local)(job).events, p2p_s)
+        syncs = sync_times(launch(job).events, p2p_s)
     runs = []
     for split in (False, True):
         job = _delay_job("1f1b", split, workers, n, steps, sleep_s, device, recorded)
-        result = (launch or _run_local)(job)
+        result = launch(job)
         durations: dict[str, list[float]] = defaultdict(list)
         for e in result.events:
             if e.kind in KINDS:
@@ -142,12 +144,6 @@ def _delay_job(schedule: str, split: bool, workers: int, micro_batches: int, ste
                                  device=device, corpus="synthetic", partition="uniform", profile=True,
                                  profile_steps=recorded)
     return compile_job(cfg)
-
-
-def _run_local(job: Job) -> LocalResult:
-    from chimera.runtime.launch import run_local
-
-    return run_local(job)
 
 
 def sync_times(events: Sequence[Event], p2p_s: float = 0.0) -> dict[str, float]:
